@@ -1,0 +1,23 @@
+"""gpukit: learn and measure where GPU memory goes in PyTorch training.
+
+    import gpukit
+    with gpukit.measure() as report:      # on a GPU: the CUDA allocator; on CPU: an exact counter
+        ...
+    gpukit.history()                      # every measurement so far, as a DataFrame
+
+In Jupyter: ``%load_ext gpukit``, then ``%%gpumem`` on any cell.
+"""
+
+from .meter import measure, resolve_device
+from .report import MemoryReport, clear_history, format_bytes, history, last
+
+__version__ = "0.1.0"
+__all__ = ["measure", "MemoryReport", "history", "last", "clear_history", "format_bytes",
+           "resolve_device", "load_ipython_extension"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """Called by ``%load_ext gpukit``: registers ``%gpumem`` and ``%%gpumem``."""
+    from .magic import GpuMemMagics
+
+    ipython.register_magics(GpuMemMagics)

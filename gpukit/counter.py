@@ -1,0 +1,298 @@
+"""The exact live-tensor counter that stands in for the CUDA allocator on CPU.
+
+PyTorch keeps no statistics for CPU memory, so gpukit counts it itself: every
+tensor's memory lives in an *untyped storage*; views share their base's storage
+and add nothing, and the memory is freed when the storage's last user dies.
+
+* Allocations: a ``TorchDispatchMode`` sees every ATen op run inside a measured
+  block and records each output storage it has not seen before (factory ops,
+  results, gradients, optimizer state...). ``Tensor.resize_`` and
+  ``UntypedStorage.resize_`` that change a storage's size are seen too.
+* Frees: each known storage carries a ``weakref`` whose callback fires when the
+  storage dies (PyTorch keeps one Python object per live storage), wherever that
+  happens: ``del x``, ``optimizer.zero_grad()``, the end of ``backward()``.
+* Storages that existed before the block are found when it starts, by a scan of
+  every tensor Python can reach (``gc``), their ``.grad``, and the tensors saved
+  by autograd graphs hanging off them, so that freeing them counts.
+
+Every size is also rounded up to a multiple of 512 bytes, as the CUDA caching
+allocator does, so that CPU and CUDA figures mean the same thing.
+
+What it cannot see: scratch memory a C++ kernel allocates and frees inside one
+op, memory of non-strided (sparse) tensors, and storages reachable only from C++
+(other than autograd's saved tensors) that exist before a block and die in it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this
+
+
+def round_up(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator would use for a request of ``nbytes``."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class Tally:
+    """Running level and peak of one measured block, relative to its start."""
+
+    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded")
+
+    def __init__(self) -> None:
+        self.level = self.level_unrounded = self.peak = self.peak_unrounded = 0
+
+
+class _CountingMode(TorchDispatchMode):
+    """Sees every op in a measured block and hands its output tensors to the ledger."""
+
+    def __init__(self, ledger: "Ledger") -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor for t in types):
+            # A tensor subclass (DTensor, a fake tensor...): let it unwrap itself;
+            # the ops it runs on plain tensors come back through this mode.
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        see = self.ledger.see
+        if isinstance(out, torch.Tensor):
+            see(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    see(o)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            see(oo)
+        return out
+
+
+class Ledger:
+    """Every live CPU storage gpukit knows of, with its size; one per process."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
+        self._refs: dict[int, weakref.ref] = {}
+        self.tallies: list[Tally] = []
+        self.live = 0  # bytes of all known storages, unrounded
+        self.live_rounded = 0
+        self._mode: _CountingMode | None = None
+        self._orig_storage_resize = None
+        self._tensors: dict[int, weakref.ref] = {}  # every tensor object found by a scan
+        # Generational scans rely on CPython <= 3.13's three-generation collector.
+        self._incremental = sys.version_info < (3, 14)
+        self._gc_dirty = 2  # the first scan is a full one
+        gc.callbacks.append(self._on_gc)
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def _allocated(self, nbytes: int) -> None:
+        rounded = round_up(nbytes)
+        self.live += nbytes
+        self.live_rounded += rounded
+        for t in self.tallies:
+            t.level += rounded
+            t.level_unrounded += nbytes
+            if t.level > t.peak:
+                t.peak = t.level
+            if t.level_unrounded > t.peak_unrounded:
+                t.peak_unrounded = t.level_unrounded
+
+    def _freed(self, nbytes: int) -> None:
+        rounded = round_up(nbytes)
+        self.live -= nbytes
+        self.live_rounded -= rounded
+        for t in self.tallies:
+            t.level -= rounded
+            t.level_unrounded -= nbytes
+
+    def _on_death(self, key: int) -> None:
+        self._refs.pop(key, None)
+        nbytes = self.sizes.pop(key, None)
+        if nbytes:
+            self._freed(nbytes)
+
+    def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool) -> None:
+        key = id(storage)
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_death(key))
+        self.sizes[key] = nbytes
+        if counted:
+            self._allocated(nbytes)
+        else:
+            self.live += nbytes
+            self.live_rounded += round_up(nbytes)
+
+    def _storage_of(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        if t.layout is not torch.strided or is_traceable_wrapper_subclass(t):
+            return None
+        st = t.untyped_storage()
+        return st if st.device.type == "cpu" else None
+
+    def see_storage(self, st: torch.UntypedStorage) -> None:
+        """Record ``st`` as allocated now if it is new, or its change of size."""
+        nbytes = st.nbytes()
+        known = self.sizes.get(id(st))
+        if known is None:
+            self._track(st, nbytes, counted=True)
+        elif known != nbytes:
+            # Like the allocator: the new block exists before the old one is freed.
+            self.sizes[id(st)] = nbytes
+            self._allocated(nbytes)
+            self._freed(known)
+
+    def see(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            return
+        st = self._storage_of(t)
+        if st is not None:
+            self.see_storage(st)
+
+    # -- finding what existed before a block -----------------------------------
+
+    def adopt_existing(self) -> None:
+        """Learn every CPU storage Python can reach now, without counting it as allocated.
+
+        The first call scans every object the garbage collector tracks; later calls
+        scan only the generations that can hold tensors made since the last scan
+        (a tensor is born in generation 0 and moves up only when a collection
+        runs, which ``gc.callbacks`` reports). Tensors found before are re-read
+        every time, since their ``.grad``, graph or storage may have changed.
+        """
+        dirty, self._gc_dirty = self._gc_dirty, -1
+        tensors = self._tensors
+        full = dirty >= 1 or not self._incremental
+        for gen in (None,) if full else range(dirty + 2):
+            # No list may be built around these: one made before the call would be
+            # inside it, a cycle that keeps every object listed alive until the next collection.
+            for obj in gc.get_objects() if gen is None else gc.get_objects(gen):
+                if issubclass(type(obj), torch.Tensor) and id(obj) not in tensors:
+                    tensors[id(obj)] = weakref.ref(obj, lambda _ref, key=id(obj): tensors.pop(key, None))
+        obj = None
+        graph_roots = []
+        for ref in list(tensors.values()):
+            obj = ref()
+            if obj is None:
+                continue
+            try:
+                self._adopt(obj)
+                if obj.grad_fn is not None:
+                    graph_roots.append(obj.grad_fn)
+                if obj.is_leaf or obj.retains_grad:
+                    grad = obj.grad
+                    if grad is not None:
+                        self._adopt(grad)
+            except Exception:  # an exotic tensor type that has no storage to count
+                continue
+        if graph_roots:
+            for t in _saved_tensors(graph_roots):
+                self._adopt(t)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "stop":
+            self._gc_dirty = max(self._gc_dirty, info.get("generation", 2))
+
+    def _adopt(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._adopt(inner)
+            return
+        try:
+            if t.device.type != "cpu":
+                return
+            st = self._storage_of(t)
+        except (RuntimeError, NotImplementedError):  # tensors without storage
+            return
+        if st is not None and id(st) not in self.sizes:
+            self._track(st, st.nbytes(), counted=False)
+
+    # -- turning the counter on and off ------------------------------------------
+
+    def start(self) -> Tally:
+        """Begin a measured block: returns its tally, updated until ``stop``."""
+        self.adopt_existing()
+        tally = Tally()
+        self.tallies.append(tally)
+        if self._mode is None:
+            self._patch_storage_resize()
+            self._mode = _CountingMode(self)
+            self._mode.__enter__()
+        return tally
+
+    def stop(self, tally: Tally) -> None:
+        """End a measured block (in any order; the counter turns off with the last one)."""
+        self.tallies.remove(tally)
+        if not self.tallies and self._mode is not None:
+            mode, self._mode = self._mode, None
+            try:
+                mode.__exit__(None, None, None)
+            finally:
+                torch.UntypedStorage.resize_ = self._orig_storage_resize
+
+    def _patch_storage_resize(self) -> None:
+        # UntypedStorage.resize_ does not pass through the dispatcher (FSDP uses it).
+        original = self._orig_storage_resize = torch.UntypedStorage.resize_
+        ledger = self
+
+        def resize_(storage, size):
+            if storage.device.type == "cpu" and id(storage) not in ledger.sizes:
+                ledger._track(storage, storage.nbytes(), counted=False)
+            result = original(storage, size)
+            if storage.device.type == "cpu":
+                ledger.see_storage(storage)
+            return result
+
+        resize_.__wrapped__ = original
+        torch.UntypedStorage.resize_ = resize_
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+
+def _saved_tensors(roots) -> list[torch.Tensor]:
+    """Tensors saved for backward by the autograd graphs that ``roots`` lead to."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    keep = []  # hold nodes so that their ids stay unique during the walk
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        names = _SAVED_NAMES.get(type(node))
+        if names is None:
+            names = _SAVED_NAMES[type(node)] = [n for n in dir(type(node)) if n.startswith("_saved_")]
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed by an earlier backward()
+                continue
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (tuple, list)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+        if hasattr(node, "saved_tensors"):  # a custom autograd.Function
+            try:
+                found.extend(t for t in node.saved_tensors if isinstance(t, torch.Tensor))
+            except RuntimeError:
+                pass
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+_SAVED_NAMES: dict[type, list[str]] = {}
+
+LEDGER = Ledger()

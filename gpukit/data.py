@@ -1,0 +1,31 @@
+"""Loaders for the small data sets in data/ (see data/README.md for provenance)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DIGITS_SHA256 = "b2dab7b501728c22e9119ad76740b2e17c77a231e42d1e592380d90886f1a05e"
+
+
+def _checked(path: Path, sha256: str) -> Path:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != sha256:
+        raise ValueError(f"{path} is damaged or replaced: SHA-256 {digest}, expected {sha256}")
+    return path
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1797 8x8 handwritten digits: images (N, 1, 8, 8) float32 in [0, 1], labels (N,) int64.
+
+    Raises:
+        ValueError: if data/digits.npz does not match its recorded checksum.
+    """
+    with np.load(_checked(DATA_DIR / "digits.npz", DIGITS_SHA256)) as f:
+        images = torch.from_numpy(f["images"].astype(np.float32) / 16.0).unsqueeze(1)
+        labels = torch.from_numpy(f["labels"].astype(np.int64))
+    return images, labels

@@ -1,0 +1,130 @@
+"""The ``%gpumem`` line magic and ``%%gpumem`` cell magic (``%load_ext gpukit``).
+
+    %gpumem y = model(x)                 measure one statement
+    %%gpumem --label "adam step" --roles model,opt
+    loss = model(x).sum(); loss.backward(); opt.step()
+
+Each run displays a MemoryReport (HTML in Jupyter, text elsewhere) and appends it
+to ``gpukit.history()``; ``gpukit.last()`` returns it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+
+import torch
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class, needs_local_scope
+from IPython.display import display
+
+from .meter import measure
+
+# Options that take a value; the line magic needs to know them to find where the statement begins.
+_VALUE_OPTIONS = {"-l", "--label", "-r", "--roles", "-d", "--device"}
+
+
+def _take_token(text: str) -> tuple[str, str]:
+    """Split the first shell-like token (quotes allowed) off ``text``."""
+    if text[0] in "'\"":
+        end = text.find(text[0], 1)
+        if end < 0:
+            raise UsageError(f"unclosed quote in: {text}")
+        return text[1:end], text[end + 1:].lstrip()
+    match = re.match(r"\S+", text)
+    return match.group(), text[match.end():].lstrip()
+
+
+def split_line(line: str) -> tuple[list[str], str]:
+    """``'-l big y = f(x)'`` -> ``(['-l', 'big'], 'y = f(x)')``; a ``--`` ends the options."""
+    rest, flags = line.strip(), []
+    while rest.startswith("-"):
+        token, rest = _take_token(rest)
+        if token == "--":
+            break
+        flags.append(token)
+        if token in _VALUE_OPTIONS:
+            if not rest:
+                raise UsageError(f"option {token} needs a value")
+            value, rest = _take_token(rest)
+            flags.append(value)
+    return flags, rest
+
+
+def _default_label(code: str) -> str:
+    first = next((ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+    return first if len(first) <= 40 else first[:39] + "…"
+
+
+@magics_class
+class GpuMemMagics(Magics):
+    """Registers ``%gpumem`` / ``%%gpumem``."""
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("-l", "--label", help="name of this run in gpukit.history() (default: its first line)")
+    @magic_arguments.argument("-r", "--roles", metavar="MODEL[,OPTIMIZER]",
+                              help="break memory down by role, for the model (and optimizer) variables named")
+    @magic_arguments.argument("-d", "--device", help="cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)")
+    @magic_arguments.argument("-q", "--quiet", action="store_true", help="record the run, display nothing")
+    @needs_local_scope
+    @line_cell_magic
+    def gpumem(self, line: str, cell: str | None = None, local_ns: dict | None = None):
+        """Run code and show the memory it used (peak, delta, live) on the GPU, or on CPU without one.
+
+        Line:  %gpumem [options] STATEMENT      (put -- before a statement that starts with '-')
+        Cell:  %%gpumem [options]  on the first line of a cell
+        """
+        try:
+            if cell is None:
+                flags, code = split_line(line)
+                if not code.strip():
+                    raise UsageError("no statement to measure: %gpumem [options] STATEMENT")
+                args = self.gpumem.parser.parse_args(flags)
+            else:
+                args = magic_arguments.parse_argstring(self.gpumem, line)
+                code = cell
+            ns = self.shell.user_ns if local_ns is None else {**self.shell.user_ns, **local_ns}
+            meter = measure(args.device, label=args.label or _default_label(code),
+                            **self._roles(args.roles, ns))
+        except (UsageError, ValueError) as err:
+            print(f"{self.gpumem.parser.format_usage().rstrip()}\n%gpumem: error: {err}\n"
+                  "(nothing was run; see %gpumem? for every option)", file=sys.stderr)
+            return None
+
+        with meter as report:
+            value = self._run(code, local_ns)
+        if not args.quiet:
+            display(report)
+        return value
+
+    @staticmethod
+    def _roles(spec: str | None, ns: dict) -> dict:
+        if not spec:
+            return {}
+        names = [n.strip() for n in spec.split(",")]
+        if len(names) > 2 or not all(names):
+            raise UsageError(f"--roles takes MODEL or MODEL,OPTIMIZER, got {spec!r}")
+        found = []
+        for name, kind in zip(names, (torch.nn.Module, torch.optim.Optimizer)):
+            if name not in ns:
+                raise UsageError(f"--roles: no variable named {name!r}")
+            if not isinstance(ns[name], kind):
+                raise UsageError(f"--roles: {name!r} is a {type(ns[name]).__name__}, not a {kind.__name__}")
+            found.append(ns[name])
+        return {"model": found[0], "optimizer": found[1] if len(found) > 1 else None}
+
+    def _run(self, code: str, local_ns: dict | None):
+        """Run ``code`` as IPython would; return the value of a final expression."""
+        shell = self.shell
+        tree = shell.transform_ast(shell.compile.ast_parse(shell.transform_cell(code)))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        glob = shell.user_ns
+        local = glob if local_ns is None else local_ns
+        exec(shell.compile(tree, "<gpumem>", "exec"), glob, local)
+        if last is not None:
+            return eval(shell.compile(last, "<gpumem>", "eval"), glob, local)
+        return None

@@ -1,0 +1,194 @@
+"""measure(): how much memory a block of code allocates, on a GPU or on a CPU.
+
+    with gpukit.measure() as report:
+        loss = model(x).sum()
+        loss.backward()
+    report.peak   # bytes, exact
+
+On CUDA the figures are the caching allocator's own statistics. On CPU they come
+from gpukit's exact live-tensor counter (gpukit.counter), which keeps the same
+accounting: allocations rounded up to 512 bytes, frees of tensors that existed
+before the block included.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .counter import LEDGER
+from .report import MemoryReport, record
+from .roles import RoleTracker
+
+CPU_BACKEND = "exact live-tensor counter"
+CUDA_BACKEND = "CUDA caching allocator"
+
+
+def default_device() -> torch.device:
+    """The device gpukit measures when none is named: the current GPU if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | int | None) -> torch.device:
+    """Turn ``None``, ``'cpu'``, ``'cuda'``, ``'cuda:1'``, ``1`` or a torch.device into a concrete device.
+
+    Raises:
+        ValueError: for a device gpukit cannot measure, or a GPU that is not there.
+    """
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"not a device: {device!r} (use 'cpu', 'cuda' or 'cuda:N')") from err
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but this machine has no CUDA GPU; "
+                             "measure on 'cpu' (the default here) instead")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"no GPU cuda:{index}: this machine has {torch.cuda.device_count()}")
+        return torch.device("cuda", index)
+    raise ValueError(f"gpukit measures 'cpu' and 'cuda' devices, not {dev.type!r}")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+class _CpuMeter:
+    def __init__(self, device: torch.device) -> None:
+        self.tally = None
+
+    def start(self, report: MemoryReport) -> None:
+        self.tally = LEDGER.start()
+        report.live_start = LEDGER.live_rounded
+
+    def stop(self, report: MemoryReport) -> None:
+        LEDGER.stop(self.tally)
+        t = self.tally
+        report.peak, report.peak_unrounded = t.peak, t.peak_unrounded
+        report.delta, report.delta_unrounded = t.level, t.level_unrounded
+        report.live_end = report.live_start + t.level
+
+
+class _CudaMeter:
+    """Reads the caching allocator's statistics.
+
+    PyTorch keeps one resettable peak counter per device. To give nested blocks
+    each their own peak, a block folds the counter's value into every enclosing
+    block before it resets it, and folds it again when it ends.
+    """
+
+    _active: dict[int, list["_CudaMeter"]] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = device.index
+        self.max = {}
+
+    _KEYS = {"allocated": "allocated_bytes.all", "requested": "requested_bytes.all",
+             "reserved": "reserved_bytes.all"}
+
+    def _fold(self, stats: dict) -> None:
+        for key, stat in self._KEYS.items():
+            self.max[key] = max(self.max.get(key, 0), stats[f"{stat}.peak"])
+
+    def start(self, report: MemoryReport) -> None:
+        stats = torch.cuda.memory_stats(self.index)
+        active = self._active.setdefault(self.index, [])
+        for outer in active:
+            outer._fold(stats)
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self.start_stats = {k: stats.get(f"{s}.current", 0) for k, s in self._KEYS.items()}
+        self.max = dict(self.start_stats)
+        active.append(self)
+        report.live_start = self.start_stats["allocated"]
+        report.reserved_start = self.start_stats["reserved"]
+
+    def stop(self, report: MemoryReport) -> None:
+        stats = torch.cuda.memory_stats(self.index)
+        active = self._active[self.index]
+        for meter in active:
+            meter._fold(stats)
+        active.remove(self)
+        now = {k: stats.get(f"{s}.current", 0) for k, s in self._KEYS.items()}
+        start = self.start_stats
+        report.peak = self.max["allocated"] - start["allocated"]
+        report.peak_unrounded = self.max["requested"] - start["requested"]
+        report.delta = now["allocated"] - start["allocated"]
+        report.delta_unrounded = now["requested"] - start["requested"]
+        report.live_end = now["allocated"]
+        report.reserved_end = now["reserved"]
+        report.reserved_peak = self.max["reserved"]
+
+
+class measure:
+    """Measure the memory a block of code allocates; use as ``with measure() as report:``.
+
+    Args:
+        device: what to measure: ``'cpu'``, ``'cuda'``, ``'cuda:N'``; default the
+            current GPU if there is one, else the CPU.
+        label: a name for the report and its row in ``gpukit.history()``.
+        model: with it (and ``optimizer``), the report breaks memory down by role
+            (parameters, gradients, optimizer state, activations, temporaries).
+        optimizer: the optimizer the block steps, for the role breakdown.
+        record: append the report to the session history (``gpukit.history()``)
+            when the block ends without an exception.
+
+    Returns (from ``__enter__``):
+        A ``MemoryReport`` that is filled in when the block ends. Blocks can nest;
+        each reports its own peak. A block that raises still restores everything
+        and re-raises; its report is filled in but not recorded.
+
+    Raises:
+        ValueError: for a device gpukit cannot measure.
+    """
+
+    def __init__(self, device: str | torch.device | int | None = None, *, label: str | None = None,
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 record: bool = True) -> None:
+        self.device = resolve_device(device)
+        self.label = label
+        self.record = record
+        self._roles = RoleTracker(self.device, model, optimizer) if (model or optimizer) else None
+        self.report: MemoryReport | None = None
+
+    def __enter__(self) -> MemoryReport:
+        if self.report is not None:
+            raise RuntimeError("a measure() object is used once; make a new one for each block")
+        cpu = self.device.type == "cpu"
+        self.report = MemoryReport(label=self.label, device=device_name(self.device),
+                                   backend=CPU_BACKEND if cpu else CUDA_BACKEND)
+        self._meter = _CpuMeter(self.device) if cpu else _CudaMeter(self.device)
+        self._meter.start(self.report)
+        if self._roles is not None:
+            try:
+                self._roles.start()
+            except BaseException:
+                self._meter.stop(self.report)
+                raise
+        self._t0 = time.perf_counter()
+        return self.report
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        report = self.report
+        if self.device.type == "cuda" and exc_type is None:
+            torch.cuda.synchronize(self.device)  # the block's kernels have finished: time is real
+        report.seconds = time.perf_counter() - self._t0
+        try:
+            if self._roles is not None:
+                self._roles.stop((exc_type, exc, tb))
+                report.roles_peak, report.roles_end = self._roles.peak, self._roles.end
+        finally:
+            self._meter.stop(report)
+        if exc_type is None and self.record:
+            record(report)
+        return False

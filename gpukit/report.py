@@ -1,0 +1,152 @@
+"""MemoryReport: what one measured block used, and the session history of reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("parameters", "buffers", "gradients", "optimizer state", "activations", "temporaries", "other")
+
+
+def format_bytes(n: int | None) -> str:
+    """Bytes for humans, in binary units: ``format_bytes(4_000_256) == '3.81 MiB'``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+@dataclass
+class MemoryReport:
+    """Memory used by one measured block, in integer bytes.
+
+    ``peak`` is the most bytes allocated at any moment inside the block minus the
+    bytes allocated when it began (never negative); ``delta`` is allocated at exit
+    minus allocated at entry. Both follow the CUDA caching allocator's accounting,
+    where every allocation is rounded up to a multiple of 512 bytes; the
+    ``*_unrounded`` fields hold the sizes as requested.
+
+    ``roles_peak`` / ``roles_end`` break memory down by role (parameters,
+    gradients, optimizer state, activations, ...) when a model was given; they are
+    absolute (state that existed before the block included), from PyTorch's
+    ``MemTracker``, at its peak and at the end of the block.
+    """
+
+    label: str | None = None
+    device: str = "cpu"
+    backend: str = ""
+    peak: int = 0
+    delta: int = 0
+    live_start: int = 0
+    live_end: int = 0
+    peak_unrounded: int = 0
+    delta_unrounded: int = 0
+    reserved_start: int | None = None  # CUDA only: bytes the caching allocator holds
+    reserved_end: int | None = None
+    reserved_peak: int | None = None
+    seconds: float = 0.0
+    roles_peak: dict[str, int] | None = None
+    roles_end: dict[str, int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_abs(self) -> int:
+        """The most bytes allocated at any moment in the block (``live_start + peak``)."""
+        return self.live_start + self.peak
+
+    def to_dict(self) -> dict[str, Any]:
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("roles_peak", "roles_end", "notes")}
+        for prefix, roles in (("peak", self.roles_peak), ("end", self.roles_end)):
+            for role, nbytes in (roles or {}).items():
+                row[f"{role} ({prefix})"] = nbytes
+        return row
+
+    # -- rendering: one object, two renderings (text in a terminal, HTML in Jupyter)
+
+    def _rows(self) -> list[tuple[str, str]]:
+        def both(n: int, unrounded: int) -> str:
+            return f"{format_bytes(n)}  ({n:,} B; {unrounded:,} B unrounded)"
+
+        rows = [
+            ("peak", both(self.peak, self.peak_unrounded)),
+            ("delta", both(self.delta, self.delta_unrounded)),
+            ("live at start", f"{format_bytes(self.live_start)}  ({self.live_start:,} B)"),
+            ("live at end", f"{format_bytes(self.live_end)}  ({self.live_end:,} B)"),
+        ]
+        if self.reserved_end is not None:
+            rows.append(("reserved (start / peak / end)",
+                         " / ".join(format_bytes(v) for v in
+                                    (self.reserved_start, self.reserved_peak, self.reserved_end))))
+        rows.append(("time", f"{self.seconds * 1e3:.1f} ms"))
+        return rows
+
+    def _role_rows(self) -> list[tuple[str, str, str]]:
+        if self.roles_end is None:
+            return []
+        roles = [r for r in ROLES if (self.roles_peak or {}).get(r) or self.roles_end.get(r)]
+        return [(r, format_bytes((self.roles_peak or {}).get(r, 0)), format_bytes(self.roles_end.get(r, 0)))
+                for r in roles]
+
+    def _title(self) -> str:
+        name = f"{self.label}: " if self.label else ""
+        return f"{name}memory on {self.device} (measured by {self.backend})"
+
+    def __repr__(self) -> str:
+        width = max(len(k) for k, _ in self._rows())
+        lines = [self._title()]
+        lines += [f"  {k:<{width}}  {v}" for k, v in self._rows()]
+        role_rows = self._role_rows()
+        if role_rows:
+            lines.append("  by role (absolute)        at peak       at end")
+            lines += [f"    {r:<22}{p:>12}  {e:>12}" for r, p, e in role_rows]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        cells = "".join(f"<tr><th style='text-align:left'>{esc(k)}</th><td style='text-align:left'>{esc(v)}</td></tr>"
+                        for k, v in self._rows())
+        out = [f"<div class='gpukit-report'><b>{esc(self._title())}</b>", f"<table>{cells}</table>"]
+        role_rows = self._role_rows()
+        if role_rows:
+            body = "".join(f"<tr><td style='text-align:left'>{esc(r)}</td><td>{esc(p)}</td><td>{esc(e)}</td></tr>"
+                           for r, p, e in role_rows)
+            out.append("<table><tr><th style='text-align:left'>by role (absolute)</th><th>at peak</th>"
+                       f"<th>at end</th></tr>{body}</table>")
+        out += [f"<p><i>note: {esc(n)}</i></p>" for n in self.notes]
+        out.append("</div>")
+        return "".join(out)
+
+
+_HISTORY: list[MemoryReport] = []
+
+
+def record(report: MemoryReport) -> None:
+    _HISTORY.append(report)
+
+
+def history():
+    """Every report recorded this session, oldest first, as a pandas DataFrame (one row each)."""
+    import pandas as pd
+
+    columns = [f.name for f in dataclasses.fields(MemoryReport) if f.name not in ("roles_peak", "roles_end", "notes")]
+    return pd.DataFrame([r.to_dict() for r in _HISTORY], columns=None if _HISTORY else columns)
+
+
+def last() -> MemoryReport:
+    """The most recent recorded report. Raises LookupError if nothing was measured yet."""
+    if not _HISTORY:
+        raise LookupError("no measurement yet: run a cell with %%gpumem or a `with gpukit.measure():` block first")
+    return _HISTORY[-1]
+
+
+def clear_history() -> None:
+    """Forget every recorded report."""
+    _HISTORY.clear()

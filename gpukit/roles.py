@@ -1,0 +1,83 @@
+"""Memory by role (parameters, gradients, optimizer state, activations...).
+
+A thin wrapper over PyTorch's own ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), which tags each storage by how it
+arose: module parameters and buffers, gradients (through hooks on the
+parameters), optimizer state (through optimizer step hooks), activations (made
+in forward) and temporaries (made in backward). It is a private module, so
+tests/test_roles.py pins the behaviour gpukit relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+# MemTracker's names -> gpukit's names (report.ROLES)
+_NAMES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+
+
+class _StepTracker(MemTracker):
+    """MemTracker that accepts the model being run several times in one block.
+
+    MemTracker refuses a second forward of the root module (it keeps per-module
+    statistics for one iteration); gradient accumulation does exactly that. gpukit
+    reads only the totals by role, so the per-module statistics are reset instead.
+    """
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+
+class RoleTracker:
+    """Tracks memory by role inside a block; ``start`` / ``stop`` around it."""
+
+    def __init__(self, device: torch.device, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        if model is None and optimizer is None:
+            raise ValueError("a role breakdown needs the model (and optimizer) the block trains")
+        self.device = device
+        self._tracked = [obj for obj in (model, optimizer) if obj is not None]
+        self._tracker: _StepTracker | None = None
+        self._end: dict[str, int] | None = None
+
+    def start(self) -> None:
+        self._tracker = _StepTracker()
+        self._tracker.track_external(*self._tracked)
+        self._tracker.__enter__()
+
+    def stop(self, exc_info=(None, None, None)) -> None:
+        tracker = self._tracker
+        tracker.__exit__(*exc_info)
+        self._end = self._by_role(tracker.get_tracker_snapshot("current"))
+        self._peak = self._by_role(tracker.get_tracker_snapshot("peak"))
+
+    def _by_role(self, snapshot: dict) -> dict[str, int]:
+        dev_snap = {}
+        for dev, values in snapshot.items():
+            if torch.device(dev).type == self.device.type:
+                dev_snap = values
+        return {_NAMES[str(k.value)]: int(v) for k, v in dev_snap.items()
+                if hasattr(k, "value") and str(k.value) in _NAMES}
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return self._peak
+
+    @property
+    def end(self) -> dict[str, int]:
+        return self._end

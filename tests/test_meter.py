@@ -1,0 +1,213 @@
+"""The CPU meter counts exactly what the CUDA caching allocator would: known sizes give known bytes."""
+
+import gc
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.counter import LEDGER, round_up
+
+
+def test_float32_million_is_4_000_000_bytes_rounded_to_4_000_256():
+    with gpukit.measure() as r:
+        x = torch.empty(1_000_000)
+    assert (r.peak, r.delta) == (4_000_256, 4_000_256)
+    assert (r.peak_unrounded, r.delta_unrounded) == (4_000_000, 4_000_000)
+    assert r.live_end - r.live_start == 4_000_256
+    assert r.device == "cpu" and r.backend == "exact live-tensor counter"
+    del x
+
+
+@pytest.mark.parametrize("dtype, numel, expected", [
+    (torch.float16, 1000, 2048),    # 2,000 B -> 4 blocks of 512
+    (torch.int64, 64, 512),         # exactly 512
+    (torch.uint8, 513, 1024),
+    (torch.float32, 1, 512),        # a scalar still takes one block
+    (torch.float32, 0, 0),          # an empty tensor takes nothing
+])
+def test_sizes_round_up_to_512_like_the_cuda_allocator(dtype, numel, expected):
+    with gpukit.measure() as r:
+        t = torch.zeros(numel, dtype=dtype)
+    assert r.delta == expected == round_up(numel * t.element_size())
+    assert r.delta_unrounded == numel * t.element_size()
+
+
+def test_views_and_in_place_ops_add_nothing():
+    x = torch.ones(1000, 1000)
+    with gpukit.measure() as r:
+        v = x.view(-1)[10:]
+        w = x.t()
+        x.add_(1).mul_(2)
+        v.zero_()
+    assert (r.peak, r.delta) == (0, 0)
+    del v, w
+
+
+def test_a_storage_is_freed_when_its_last_view_dies():
+    with gpukit.measure() as r:
+        x = torch.empty(1000, 1000)
+        v = x[500:]
+        del x
+        level_with_view = LEDGER.live_rounded
+        del v
+    assert level_with_view - LEDGER.live_rounded == 4_000_256
+    assert r.peak == 4_000_256 and r.delta == 0
+
+
+def test_peak_catches_a_400_mb_temporary_deleted_inside_the_block():
+    with gpukit.measure() as r:
+        tmp = torch.empty(100_000_000)
+        del tmp
+        keep = torch.empty(10)
+    assert r.peak == 400_000_000  # a multiple of 512 already
+    assert r.delta == 512
+    del keep
+
+
+def test_a_temporary_made_and_freed_inside_one_expression_counts():
+    x = torch.ones(1_000_000)
+    with gpukit.measure() as r:
+        s = (x * 2).sum()  # x * 2 is a 4 MB temporary that never gets a name
+    assert r.peak == 4_000_256 + 512
+    assert r.delta == 512
+    del s
+
+
+def test_dropping_a_tensor_from_before_the_block_counts_as_a_free():
+    big = torch.empty(10_000_000)  # 40 MB made before the block
+    with gpukit.measure() as r:
+        del big
+        big = torch.empty(10_000_000)
+    assert r.peak <= 512
+    assert r.delta == 0
+    assert r.peak_unrounded == 0
+
+
+def test_zero_grad_set_to_none_lowers_the_level_before_backward_raises_it():
+    model = torch.nn.Linear(1000, 1000)
+    model(torch.ones(1, 1000)).sum().backward()
+    grad_bytes = round_up(1000 * 1000 * 4) + round_up(1000 * 4)
+    with gpukit.measure() as r:
+        model.zero_grad(set_to_none=True)
+        after_zero_grad = LEDGER.live_rounded
+    assert r.delta == -grad_bytes
+    assert r.peak == 0
+    assert after_zero_grad == r.live_start - grad_bytes
+
+
+def test_backward_of_a_graph_built_before_the_block_frees_its_saved_tensors():
+    w = torch.ones(1000, requires_grad=True)
+    x = torch.ones(1000, 1000)
+    loss = (x * w).exp().sum()  # exp's output (4 MB) is saved for backward, held only by the graph
+    with gpukit.measure() as r:
+        loss.backward()
+    # grad of w (4,000 B) stays; the saved exp output is freed.
+    assert r.delta == round_up(4000) - 4_000_256
+
+
+def test_resize_is_counted():
+    t = torch.empty(0)
+    with gpukit.measure() as r:
+        t.resize_(1000)
+        t.untyped_storage().resize_(8000)
+    assert r.delta == 8192
+    assert r.delta_unrounded == 8000
+
+
+def test_tensors_on_other_devices_are_not_counted():
+    with gpukit.measure(device="cpu") as r:
+        m = torch.empty(1_000_000, device="meta")
+    assert (r.peak, r.delta) == (0, 0)
+    del m
+
+
+def test_nested_blocks_each_report_their_own_peak():
+    with gpukit.measure() as outer:
+        a = torch.empty(1_000_000)              # +4,000,256
+        with gpukit.measure() as inner:
+            b = torch.empty(250_000)            # +1,000,448
+            del b
+        c = torch.empty(500_000)                # +2,000,384
+        del c
+    assert (inner.peak, inner.delta) == (1_000_448, 0)
+    assert outer.peak == 4_000_256 + 2_000_384
+    assert outer.delta == 4_000_256
+    assert inner.live_start == outer.live_start + 4_000_256
+    del a
+
+
+def test_a_block_that_raises_restores_everything_and_reraises():
+    resize = torch.UntypedStorage.resize_
+    with pytest.raises(ZeroDivisionError):
+        with gpukit.measure() as r:
+            x = torch.empty(1000)
+            1 / 0
+    assert not LEDGER.active and torch.UntypedStorage.resize_ is resize
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None
+    assert r.delta == 4096  # filled in all the same...
+    assert len(gpukit.history()) == 0  # ...but not recorded
+
+
+def test_no_leak_over_200_measured_blocks():
+    model = torch.nn.Linear(100, 100)
+    x = torch.ones(32, 100)
+    with gpukit.measure(record=False):  # the counter learns model and x
+        pass
+    gc.collect()
+    before = (LEDGER.live, len(LEDGER.sizes))
+    for _ in range(200):
+        with gpukit.measure(record=False) as r:
+            model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert (LEDGER.live, len(LEDGER.sizes)) == before
+    assert r.delta == round_up(100 * 100 * 4) + round_up(100 * 4)  # the grads that block made
+
+
+def test_live_bytes_match_the_tensors_actually_alive():
+    gc.collect()
+    with gpukit.measure(record=False):
+        pass
+    start = LEDGER.live
+    tensors = [torch.empty(n) for n in (10, 1000, 12345)]
+    with gpukit.measure(record=False) as r:
+        pass
+    assert LEDGER.live - start == sum(t.nbytes for t in tensors)
+    assert r.live_start == LEDGER.live_rounded
+
+
+def test_history_and_last():
+    with gpukit.measure(label="a"):
+        x = torch.empty(256)
+    with gpukit.measure(label="b", record=False):
+        y = torch.empty(256)
+    with gpukit.measure(label="c"):
+        del x, y
+    h = gpukit.history()
+    assert list(h["label"]) == ["a", "c"]
+    assert list(h["delta"]) == [1024, -2048]
+    assert gpukit.last().label == "c"
+
+
+def test_last_without_measurements_says_what_to_do():
+    with pytest.raises(LookupError, match="%%gpumem"):
+        gpukit.last()
+
+
+@pytest.mark.parametrize("bad", ["mps", "tpu", "cuda:0" if not torch.cuda.is_available() else "cuda:99"])
+def test_bad_devices_are_refused_with_a_clear_error(bad):
+    with pytest.raises(ValueError, match="cpu|cuda|GPU"):
+        gpukit.measure(bad)
+
+
+def test_report_renders_as_text_and_html():
+    with gpukit.measure(label="x") as r:
+        t = torch.empty(1_000_000)
+    text, page = repr(r), r._repr_html_()
+    for s in (text, page):
+        assert "4,000,256" in s and "4,000,000" in s and "cpu" in s
+    assert page.startswith("<div") and "<table>" in page
+    assert "0x" not in text  # nothing that changes between runs
+    del t
