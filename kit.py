@@ -37,8 +37,6 @@ def _run(cmd: list[str], **kwargs) -> None:
 
 def _outer_torch_paths() -> list[str]:
     """Site-packages folders of this interpreter, if it can import torch (else [])."""
-    if Path(sys.prefix).resolve() == VENV.resolve():
-        return []
     probe = "import torch, site, sys; print('\\n'.join(site.getsitepackages()))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode != 0:
@@ -63,6 +61,8 @@ def _fingerprint(extra: str) -> str:
 
 def setup() -> None:
     """Create .venv if needed and install gpukit with its pinned dependencies."""
+    if Path(sys.prefix).resolve() == VENV.resolve() and STAMP.exists():
+        return  # run by .venv's own python: already set up, and it cannot see an outer torch
     if not VENV_PY.exists():
         try:
             _run([sys.executable, "-m", "venv", VENV])

@@ -85,12 +85,15 @@ class GpuMemMagics(Magics):
             else:
                 args = magic_arguments.parse_argstring(self.gpumem, line)
                 code = cell
-            ns = self.shell.user_ns if local_ns is None else {**self.shell.user_ns, **local_ns}
+            # Look names up in place: a copy of the namespace would keep every old
+            # value alive through the block and hide the frees the cell makes.
+            scopes = [self.shell.user_ns] if local_ns is None else [local_ns, self.shell.user_ns]
             meter = measure(args.device, label=args.label or _default_label(code),
-                            **self._roles(args.roles, ns))
+                            **self._roles(args.roles, scopes))
         except (UsageError, ValueError) as err:
-            print(f"{self.gpumem.parser.format_usage().rstrip()}\n%gpumem: error: {err}\n"
-                  "(nothing was run; see %gpumem? for every option)", file=sys.stderr)
+            options = self.gpumem.parser.format_usage().replace("::", "").strip().removeprefix("%gpumem ")
+            print(f"usage: %gpumem {options} STATEMENT\n   or: %%gpumem {options}   (first line of a cell)\n"
+                  f"%gpumem: error: {err}\n(nothing was run; see %gpumem? for every option)", file=sys.stderr)
             return None
 
         with meter as report:
@@ -100,7 +103,7 @@ class GpuMemMagics(Magics):
         return value
 
     @staticmethod
-    def _roles(spec: str | None, ns: dict) -> dict:
+    def _roles(spec: str | None, scopes: list[dict]) -> dict:
         if not spec:
             return {}
         names = [n.strip() for n in spec.split(",")]
@@ -108,11 +111,12 @@ class GpuMemMagics(Magics):
             raise UsageError(f"--roles takes MODEL or MODEL,OPTIMIZER, got {spec!r}")
         found = []
         for name, kind in zip(names, (torch.nn.Module, torch.optim.Optimizer)):
-            if name not in ns:
+            scope = next((ns for ns in scopes if name in ns), None)
+            if scope is None:
                 raise UsageError(f"--roles: no variable named {name!r}")
-            if not isinstance(ns[name], kind):
-                raise UsageError(f"--roles: {name!r} is a {type(ns[name]).__name__}, not a {kind.__name__}")
-            found.append(ns[name])
+            if not isinstance(scope[name], kind):
+                raise UsageError(f"--roles: {name!r} is a {type(scope[name]).__name__}, not a {kind.__name__}")
+            found.append(scope[name])
         return {"model": found[0], "optimizer": found[1] if len(found) > 1 else None}
 
     def _run(self, code: str, local_ns: dict | None):

@@ -62,6 +62,9 @@ class RoleTracker:
 
     def stop(self, exc_info=(None, None, None)) -> None:
         tracker = self._tracker
+        # Re-tag by what the storages are now: gradients made by a backward whose
+        # forward ran before the block are otherwise tagged as temporaries.
+        tracker.track_external(*self._tracked)
         tracker.__exit__(*exc_info)
         self._end = self._by_role(tracker.get_tracker_snapshot("current"))
         self._peak = self._by_role(tracker.get_tracker_snapshot("peak"))

@@ -1,0 +1,47 @@
+"""A training step measured by gpukit.measure() agrees with PyTorch's MemTracker, measured independently."""
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import gpukit
+from conftest import train_step
+from gpukit.models import MLP, ConvNet
+
+MODELS = {"mlp": lambda: MLP(width=256, depth=2), "deep-mlp": lambda: MLP(width=128, depth=6),
+          "convnet": lambda: ConvNet(channels=16)}
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p),
+    "adam-foreach": lambda p: torch.optim.Adam(p, foreach=True),
+}
+
+
+def memtracker_peak(model, optimizer, x, y, checkpoint):
+    """Peak of one step above its start, by MemTracker with model, optimizer and batch tracked as pre-existing."""
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, x, y)
+    start = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+    with tracker:
+        train_step(model, optimizer, x, y, checkpoint)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - start
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_step_peak_agrees_with_memtracker_within_0_1_percent(digits, model_name, opt_name, checkpoint):
+    x, y = digits
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    optimizer = OPTIMIZERS[opt_name](model.parameters())
+    for _ in range(2):  # reach the steady state: gradients and optimizer state exist
+        train_step(model, optimizer, x, y, checkpoint)
+
+    with gpukit.measure(record=False) as report:
+        train_step(model, optimizer, x, y, checkpoint)
+    reference = memtracker_peak(model, optimizer, x, y, checkpoint)
+
+    assert reference > 0
+    assert abs(report.peak_unrounded - reference) <= 0.001 * reference
