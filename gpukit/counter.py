@@ -57,7 +57,7 @@ class _CountingMode(TorchDispatchMode):
         self.ledger = ledger
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not torch.Tensor for t in types):
+        if types and any(t is not torch.Tensor for t in types):
             # A tensor subclass (DTensor, a fake tensor...): let it unwrap itself;
             # the ops it runs on plain tensors come back through this mode.
             return NotImplemented
@@ -150,11 +150,18 @@ class Ledger:
             self._freed(known)
 
     def see(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu":
-            return
-        st = self._storage_of(t)
-        if st is not None:
-            self.see_storage(st)
+        """Record the storage of an op's output (called for every op: kept lean)."""
+        if type(t) is torch.Tensor:  # the common case, checked cheaply
+            if not t.is_cpu or t.layout is not torch.strided:
+                return
+            st = t.untyped_storage()
+        else:
+            if not t.is_cpu:
+                return
+            st = self._storage_of(t)
+            if st is None:
+                return
+        self.see_storage(st)
 
     # -- finding what existed before a block -----------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shlex
 import sys
 
 import torch
@@ -83,7 +84,7 @@ class GpuMemMagics(Magics):
                     raise UsageError("no statement to measure: %gpumem [options] STATEMENT")
                 args = self.gpumem.parser.parse_args(flags)
             else:
-                args = magic_arguments.parse_argstring(self.gpumem, line)
+                args = self.gpumem.parser.parse_args(shlex.split(line))
                 code = cell
             # Look names up in place: a copy of the namespace would keep every old
             # value alive through the block and hide the frees the cell makes.

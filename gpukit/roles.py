@@ -6,6 +6,11 @@ arose: module parameters and buffers, gradients (through hooks on the
 parameters), optimizer state (through optimizer step hooks), activations (made
 in forward) and temporaries (made in backward). It is a private module, so
 tests/test_roles.py pins the behaviour gpukit relies on.
+
+At the peak, "optimizer state" includes the temporaries of ``optimizer.step()``:
+MemTracker tags everything allocated inside the step that way. At the end of the
+block it is the state alone (Adam: two tensors the size of the parameters, plus a
+step count per tensor).
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ def run(shell, code):
 
 
 def test_cell_magic_measures_the_cell_and_records_it(shell, capsys):
-    result = run(shell, "%%gpumem --label alloc\nx = torch.empty(1_000_000)")
+    result = run(shell, "%%gpumem --label 'one alloc'\nx = torch.empty(1_000_000)")
     assert result.success
     out = capsys.readouterr().out
-    assert "alloc: memory on cpu" in out and "4,000,256" in out and "4,000,000 B unrounded" in out
+    assert "one alloc: memory on cpu" in out and "4,000,256" in out and "4,000,000 B unrounded" in out
     assert shell.user_ns["x"].numel() == 1_000_000
     h = gpukit.history()
-    assert list(h["label"]) == ["alloc"] and list(h["peak"]) == [4_000_256]
+    assert list(h["label"]) == ["one alloc"] and list(h["peak"]) == [4_000_256]
     assert gpukit.last().delta == 4_000_256
 
 
@@ -78,6 +78,7 @@ def test_quiet_records_but_displays_nothing(shell, capsys):
     "%%gpumem --roles torch",
     "%%gpumem stray words",
     "%%gpumem -l",
+    "%%gpumem -l 'unclosed",
 ])
 def test_bad_flags_print_usage_and_run_nothing(shell, capsys, line):
     result = run(shell, f"{line}\nran = True")
