@@ -99,7 +99,7 @@ class _CudaMeter:
 
     def _fold(self, stats: dict) -> None:
         for key, stat in self._KEYS.items():
-            self.max[key] = max(self.max.get(key, 0), stats[f"{stat}.peak"])
+            self.max[key] = max(self.max.get(key, 0), stats.get(f"{stat}.peak", 0))
 
     def start(self, report: MemoryReport) -> None:
         stats = torch.cuda.memory_stats(self.index)
