@@ -121,3 +121,16 @@ def test_report_offers_html_to_jupyter(shell):
     formats, _ = shell.display_formatter.format(gpukit.last())
     assert "text/html" in formats and "<table>" in formats["text/html"]
     assert "text/plain" in formats
+
+
+def test_no_leak_over_200_magic_runs(shell):
+    run(shell, "w = torch.nn.Linear(50, 50)\nxs = torch.ones(8, 50)")
+    run(shell, "%%gpumem -q\nw(xs).sum().backward()")  # the grads exist from here on
+    start = (LEDGER.live, len(LEDGER.sizes))
+    for _ in range(200):
+        run(shell, "%%gpumem -q\nw.zero_grad(set_to_none=True)\nw(xs).sum().backward()")
+    import gc
+
+    gc.collect()
+    assert (LEDGER.live, len(LEDGER.sizes)) == start
+    assert gpukit.last().delta == 0 and len(gpukit.history()) == 201
