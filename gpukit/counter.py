@@ -30,6 +30,7 @@ import sys
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this
@@ -55,11 +56,14 @@ class _CountingMode(TorchDispatchMode):
     def __init__(self, ledger: "Ledger") -> None:
         super().__init__()
         self.ledger = ledger
+        self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and any(t is not torch.Tensor for t in types):
-            # A tensor subclass (DTensor, a fake tensor...): let it unwrap itself;
-            # the ops it runs on plain tensors come back through this mode.
+        if types and any(t not in self.own_types for t in types):
+            if any(issubclass(t, FakeTensor) for t in types):
+                return func(*args, **(kwargs or {}))  # fake tensors hold no memory to count here
+            # Another tensor subclass (DTensor...): let it unwrap itself; the ops
+            # it runs on plain tensors come back through this mode.
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         see = self.ledger.see
@@ -77,9 +81,16 @@ class _CountingMode(TorchDispatchMode):
 
 
 class Ledger:
-    """Every live CPU storage gpukit knows of, with its size; one per process."""
+    """Every live storage of one kind gpukit knows of, with its size.
 
-    def __init__(self) -> None:
+    ``Ledger()`` counts real CPU memory (``LEDGER``, one per process);
+    ``Ledger(fake=True)`` counts the storages of fake tensors (``FakeTensorMode``),
+    which hold no memory at all, to predict what a run would allocate.
+    """
+
+    def __init__(self, fake: bool = False) -> None:
+        self.fake = fake
+        self.storage_device = "meta" if fake else "cpu"  # where the storages it counts live
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
         self._refs: dict[int, weakref.ref] = {}
         self.tallies: list[Tally] = []
@@ -135,7 +146,7 @@ class Ledger:
         if t.layout is not torch.strided or is_traceable_wrapper_subclass(t):
             return None
         st = t.untyped_storage()
-        return st if st.device.type == "cpu" else None
+        return st if st.device.type == self.storage_device else None
 
     def see_storage(self, st: torch.UntypedStorage) -> None:
         """Record ``st`` as allocated now if it is new, or its change of size."""
@@ -151,7 +162,7 @@ class Ledger:
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
-        if type(t) is torch.Tensor:  # the common case, checked cheaply
+        if type(t) is torch.Tensor and not self.fake:  # the common case, checked cheaply
             if not t.is_cpu or t.layout is not torch.strided:
                 return
             st = t.untyped_storage()
@@ -252,10 +263,11 @@ class Ledger:
         ledger = self
 
         def resize_(storage, size):
-            if storage.device.type == "cpu" and id(storage) not in ledger.sizes:
+            ours = storage.device.type == ledger.storage_device
+            if ours and id(storage) not in ledger.sizes:
                 ledger._track(storage, storage.nbytes(), counted=False)
             result = original(storage, size)
-            if storage.device.type == "cpu":
+            if ours:
                 ledger.see_storage(storage)
             return result
 
@@ -303,3 +315,4 @@ def _saved_tensors(roots) -> list[torch.Tensor]:
 _SAVED_NAMES: dict[type, list[str]] = {}
 
 LEDGER = Ledger()
+FAKE_LEDGER = Ledger(fake=True)

@@ -29,3 +29,9 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.from_numpy(f["images"].astype(np.float32) / 16.0).unsqueeze(1)
         labels = torch.from_numpy(f["labels"].astype(np.int64))
     return images, labels
+
+
+def load_digit_tokens() -> torch.Tensor:
+    """The digits as token sequences for a language model: (1797, 64) int64, pixel values 0..16 row by row."""
+    with np.load(_checked(DATA_DIR / "digits.npz", DIGITS_SHA256)) as f:
+        return torch.from_numpy(f["images"].reshape(len(f["images"]), 64).astype(np.int64))

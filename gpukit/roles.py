@@ -82,6 +82,10 @@ class RoleTracker:
         return {_NAMES[str(k.value)]: int(v) for k, v in dev_snap.items()
                 if hasattr(k, "value") and str(k.value) in _NAMES}
 
+    def module_stats(self):
+        """MemTracker's per-module statistics (parameter_mem, output_mem, ...) of the last block."""
+        return self._tracker.memory_tracking
+
     @property
     def peak(self) -> dict[str, int]:
         return self._peak

@@ -1,0 +1,270 @@
+"""Predict memory before running: the rule of thumb, and an exact prediction under fake tensors.
+
+    from gpukit.estimate import predict, rule_of_thumb
+
+    p = predict(lambda: MyModel(), lambda params: torch.optim.Adam(params),
+                lambda: (torch.randn(64, 3, 224, 224), torch.randint(0, 1000, (64,))))
+    p.peak            # bytes a training step would need at its peak, allocating nothing
+    p.will_it_fit()   # against common GPU sizes
+
+``predict`` builds the model, optimizer and batch under ``FakeTensorMode``: tensors
+with shapes, dtypes and storages but no memory behind them. It runs real training
+steps of that model (the same code a user would run) and counts every storage with
+the same counter that measures real runs on CPU (gpukit.counter), so a prediction
+and a measurement agree to the byte where the code paths agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from .counter import FAKE_LEDGER, round_up
+from .report import format_bytes
+from .roles import RoleTracker
+
+GPU_SIZES_GB = (16, 24, 40, 48, 80, 141)
+# Memory a process needs on a GPU beyond what PyTorch allocates: the CUDA context (kernels
+# of torch and its libraries loaded on the device) and cuBLAS/cuDNN workspaces. It depends on
+# the GPU, driver and CUDA version; 1 GiB is an allowance, not a measurement: see it on your
+# machine as nvidia-smi's "used" minus torch.cuda.memory_reserved() after one step.
+CONTEXT_ALLOWANCE = 2**30
+
+
+def default_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
+    """One ordinary training step: zero_grad, forward, cross-entropy loss, backward, step."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+
+@dataclass
+class Prediction:
+    """What one training step would allocate, predicted without allocating it.
+
+    ``peak`` is absolute: the model states that exist before the step (parameters,
+    gradients, optimizer state, the batch) plus the step's own peak above them.
+    Bytes are rounded up to 512 per tensor like the CUDA allocator's; the
+    ``*_unrounded`` fields are the sizes as requested.
+    """
+
+    peak: int
+    peak_unrounded: int
+    before_step: int              # allocated when the step starts (rounded)
+    step_peak: int                # the step's peak above ``before_step``
+    step_peak_unrounded: int
+    parameters: int               # parameter count
+    roles_peak: dict[str, int]    # by role, at the peak (MemTracker's tags), unrounded
+    roles_end: dict[str, int]
+    modules: list[dict] = field(default_factory=list)  # per-module parameters and outputs
+    seconds: float = 0.0
+
+    def will_it_fit(self, sizes_gb=GPU_SIZES_GB, allowance: int = CONTEXT_ALLOWANCE):
+        """A table: the predicted peak plus the context allowance against GPU memory sizes (GB = 10^9 B)."""
+        import pandas as pd
+
+        need = self.peak + allowance
+        rows = []
+        for gb in sizes_gb:
+            cap = int(gb * 1e9)
+            rows.append({"GPU memory": f"{gb} GB", "predicted peak": format_bytes(self.peak),
+                         "context allowance": format_bytes(allowance), "needed": format_bytes(need),
+                         "fits": need <= cap, "headroom": format_bytes(cap - need)})
+        return pd.DataFrame(rows)
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [("parameters", f"{self.parameters:,}"),
+                ("before the step", format_bytes(self.before_step)),
+                ("step peak above that", format_bytes(self.step_peak)),
+                ("predicted peak", f"{format_bytes(self.peak)}  ({self.peak:,} B)")]
+        rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
+        rows.append(("prediction took", f"{self.seconds:.2f} s"))
+        return rows
+
+    def __repr__(self) -> str:
+        return "\n".join(["predicted training step (fake tensors, nothing allocated)"] +
+                         [f"  {k:<28} {v}" for k, v in self._rows()])
+
+    def _repr_html_(self) -> str:
+        cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
+                        for k, v in self._rows())
+        return f"<b>predicted training step (fake tensors, nothing allocated)</b><table>{cells}</table>"
+
+
+def predict(make_model: Callable[[], nn.Module],
+            make_optimizer: Callable[[Any], torch.optim.Optimizer],
+            make_batch: Callable[[], Any],
+            step: Callable[[nn.Module, torch.optim.Optimizer, Any], Any] = default_step,
+            *, warmup_steps: int = 1, modules_depth: int = 1) -> Prediction:
+    """Predict the memory of one training step exactly, allocating nothing.
+
+    Args:
+        make_model: builds the model (``lambda: MyNet(...)``), as for a real run.
+        make_optimizer: builds the optimizer from the parameters (``lambda p: torch.optim.Adam(p)``).
+        make_batch: builds one batch, passed to ``step`` as it is.
+        step: runs one training step: ``step(model, optimizer, batch)``.
+        warmup_steps: steps run before the predicted one, so that gradients and
+            optimizer state exist as they do in the steady state of training.
+        modules_depth: depth of the per-module table (1: the model's children).
+
+    Returns:
+        A ``Prediction``.
+
+    Raises:
+        RuntimeError: from the step, when it does something fake tensors cannot
+            (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
+    """
+    t0 = time.perf_counter()
+    with FakeTensorMode():
+        model = make_model()
+        optimizer = make_optimizer(model.parameters())
+        batch = make_batch()
+        for _ in range(warmup_steps):
+            step(model, optimizer, batch)
+        roles = RoleTracker(torch.device("cpu"), model, optimizer)
+        before, before_unrounded = _state_bytes(model, optimizer, batch)
+        tally = FAKE_LEDGER.start()
+        try:
+            roles.start()
+            try:
+                step(model, optimizer, batch)
+            finally:
+                roles.stop()
+        finally:
+            FAKE_LEDGER.stop(tally)
+        modules = _module_table(roles, model, modules_depth)
+        n_params = sum(p.numel() for p in model.parameters())
+    return Prediction(
+        peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
+        before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
+        parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
+        seconds=time.perf_counter() - t0)
+
+
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
+    """What a training step starts with: parameters, buffers, gradients, optimizer state and the batch."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
+    """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
+    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
+    return sum(round_up(n) for n in storages.values()), sum(storages.values())
+
+
+def _module_table(roles: RoleTracker, model: nn.Module, depth: int) -> list[dict]:
+    """Per module: parameter bytes and the bytes of the outputs its forward produced."""
+    stats = roles.module_stats()
+    rows = []
+    for name, module in model.named_modules():
+        level = 0 if name == "" else name.count(".") + 1
+        if level == 0 or level > depth or module not in stats:
+            continue
+        s = stats[module]
+        rows.append({"module": name, "type": type(module).__name__,
+                     "parameters": sum(p.numel() for p in module.parameters()),
+                     "parameter bytes": getattr(s, "parameter_mem", 0),
+                     "output bytes": getattr(s, "output_mem", 0)})
+    return rows
+
+
+@dataclass
+class RuleOfThumb:
+    """The estimate from the literature: parameters x n + batch x activations per sample x bytes x 2."""
+
+    parameters: int
+    n: int                        # copies of the parameters: 2 SGD, 3 SGD+momentum, 4 Adam
+    bytes_per_value: int
+    batch_size: int
+    activations_per_sample: int   # output elements of every leaf module, for one sample
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters * self.n * self.bytes_per_value
+
+    @property
+    def activations(self) -> int:
+        return self.batch_size * self.activations_per_sample * self.bytes_per_value * 2
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+    def __repr__(self) -> str:
+        return (f"rule of thumb: {self.parameters:,} parameters x {self.n} x {self.bytes_per_value} B"
+                f" = {format_bytes(self.model_states)}\n"
+                f"             + batch {self.batch_size} x {self.activations_per_sample:,} activations"
+                f" x {self.bytes_per_value} B x 2 = {format_bytes(self.activations)}\n"
+                f"             = {format_bytes(self.total)}")
+
+
+OPTIMIZER_COPIES = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4}
+
+
+def optimizer_copies(optimizer: torch.optim.Optimizer | str) -> int:
+    """n in the rule of thumb: how many parameter-sized tensors training keeps (weights, grads, state)."""
+    if isinstance(optimizer, str):
+        try:
+            return OPTIMIZER_COPIES[optimizer.lower()]
+        except KeyError:
+            raise ValueError(f"unknown optimizer {optimizer!r}; one of {sorted(OPTIMIZER_COPIES)}") from None
+    if isinstance(optimizer, torch.optim.SGD):
+        return 3 if optimizer.defaults.get("momentum", 0) else 2
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 4
+    raise ValueError(f"no rule-of-thumb factor for {type(optimizer).__name__}; pass n as 'sgd', 'adam'...")
+
+
+def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], Any]) -> list[dict]:
+    """Every leaf module in forward order: its output shape, output elements and parameters.
+
+    Runs one forward pass under fake tensors (nothing is allocated), so it works for
+    models far too big for this machine.
+    """
+    rows: list[dict] = []
+    with FakeTensorMode():
+        model = make_model()
+        x = make_input()
+
+        def hook(module, _inputs, output):
+            if isinstance(output, torch.Tensor):
+                rows.append({"layer": names[module], "type": type(module).__name__,
+                             "output shape": tuple(output.shape), "output elements": output.numel(),
+                             "parameters": sum(p.numel() for p in module.parameters(recurse=False))})
+
+        names = {m: n for n, m in model.named_modules()}
+        handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+        try:
+            with torch.no_grad():
+                model(x)
+        finally:
+            for h in handles:
+                h.remove()
+    return rows
+
+
+def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[], Any], batch_size: int,
+                  optimizer: torch.optim.Optimizer | str = "adam", bytes_per_value: int = 4) -> RuleOfThumb:
+    """The rule of thumb for a model: ``make_sample`` builds the input of ONE sample (batch of 1)."""
+    rows = layer_table(make_model, make_sample)
+    with FakeTensorMode():
+        n_params = sum(p.numel() for p in make_model().parameters())
+    return RuleOfThumb(parameters=n_params, n=optimizer_copies(optimizer), bytes_per_value=bytes_per_value,
+                       batch_size=batch_size, activations_per_sample=sum(r["output elements"] for r in rows))
+
+
+__all__ = ["predict", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table", "default_step", "state_tensors",
+           "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]

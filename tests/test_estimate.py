@@ -1,0 +1,118 @@
+"""Predictions under fake tensors: exact against real measured steps, and the rule of thumb's terms."""
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.data import load_digit_tokens, load_digits
+from gpukit.estimate import (Prediction, _state_bytes, default_step, layer_table, optimizer_copies, predict,
+                             rule_of_thumb)
+from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT, parameter_bytes, vgg16
+
+B = 128
+
+
+def image_batch():
+    x, y = load_digits()
+    return x[:B].clone(), y[:B].clone()
+
+
+def token_batch():
+    t = load_digit_tokens()[:32]
+    return t[:, :-1].clone(), t[:, 1:].clone()
+
+
+CASES = {
+    "mlp-sgd": (lambda: MLP(width=256), lambda p: torch.optim.SGD(p, lr=0.1), image_batch),
+    "mlp-momentum": (lambda: MLP(width=256), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), image_batch),
+    "mlp-adam": (lambda: MLP(width=256, depth=4), lambda p: torch.optim.Adam(p), image_batch),
+    "convnet-sgd": (lambda: ConvNet(16), lambda p: torch.optim.SGD(p, lr=0.1), image_batch),
+    "convnet-adam": (lambda: ConvNet(16), lambda p: torch.optim.Adam(p), image_batch),
+    "gpt-adamw": (lambda: TinyGPT(GPTConfig()), lambda p: torch.optim.AdamW(p), token_batch),
+    "gpt-momentum": (lambda: TinyGPT(GPTConfig(n_layer=3)), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                     token_batch),
+}
+
+
+def measured_peak(make_model, make_optimizer, make_batch):
+    """The real thing: state before the step plus the step's measured peak, on CPU."""
+    torch.manual_seed(0)
+    model, batch = make_model(), make_batch()
+    optimizer = make_optimizer(model.parameters())
+    default_step(model, optimizer, batch)  # the same warm-up step the prediction runs
+    with gpukit.measure(record=False) as report:
+        default_step(model, optimizer, batch)
+    return _state_bytes(model, optimizer, batch)[0] + report.peak
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prediction_matches_the_measured_cpu_peak_within_1_percent(case):
+    make_model, make_optimizer, make_batch = CASES[case]
+    predicted = predict(make_model, make_optimizer, make_batch)
+    measured = measured_peak(make_model, make_optimizer, make_batch)
+    assert abs(predicted.peak - measured) <= 0.01 * measured, (predicted.peak, measured)
+
+
+def test_prediction_breaks_the_state_down_by_role():
+    p = predict(lambda: MLP(width=64, depth=1), lambda q: torch.optim.Adam(q), image_batch)
+    P = parameter_bytes(MLP(width=64, depth=1))
+    assert p.roles_end["parameters"] == P
+    assert p.roles_end["gradients"] == P
+    assert p.roles_end["optimizer state"] == 2 * P + 4 * 4  # two moments + a step count per tensor
+    assert [m["module"] for m in p.modules] == ["net"]
+    assert p.modules[0]["parameter bytes"] == P
+
+
+def test_a_billion_parameter_model_is_predicted_without_allocating_it():
+    cfg = GPTConfig(vocab_size=32000, block_size=512, n_layer=16, n_head=16, n_embd=2048)
+    with gpukit.measure(record=False) as real:
+        p = predict(lambda: TinyGPT(cfg), lambda q: torch.optim.AdamW(q),
+                    lambda: (torch.zeros(4, 512, dtype=torch.long), torch.zeros(4, 512, dtype=torch.long)))
+    assert p.parameters > 800_000_000
+    # AdamW keeps weights, gradients and two moments: 16 bytes per parameter, before the step.
+    assert 16 * p.parameters <= p.before_step <= 16 * p.parameters + 4 * 512 * 300
+    assert p.peak > p.before_step
+    assert real.peak < 10 * 2**20, "a prediction must not allocate the model's memory"
+
+
+def test_rule_of_thumb_terms():
+    model = lambda: MLP(n_in=64, width=32, depth=1)  # noqa: E731
+    r = rule_of_thumb(model, lambda: torch.zeros(1, 1, 8, 8), batch_size=100, optimizer="adam")
+    P = 64 * 32 + 32 + 32 * 10 + 10
+    assert r.parameters == P and r.n == 4
+    assert r.model_states == P * 4 * 4
+    # Flatten (64) + Linear (32) + ReLU (32) + Linear (10) outputs per sample
+    assert r.activations_per_sample == 64 + 32 + 32 + 10
+    assert r.activations == 100 * 138 * 4 * 2
+    assert r.total == r.model_states + r.activations
+    assert "rule of thumb" in repr(r)
+
+
+@pytest.mark.parametrize("opt, n", [(lambda p: torch.optim.SGD(p, lr=1), 2),
+                                    (lambda p: torch.optim.SGD(p, lr=1, momentum=0.9), 3),
+                                    (lambda p: torch.optim.Adam(p), 4), (lambda p: torch.optim.AdamW(p), 4)])
+def test_optimizer_copies(opt, n):
+    assert optimizer_copies(opt(torch.nn.Linear(2, 2).parameters())) == n
+
+
+def test_unknown_optimizer_names_are_refused():
+    with pytest.raises(ValueError, match="adam"):
+        optimizer_copies("lion")
+
+
+def test_vgg16_layer_table_has_the_classic_shapes_and_138_million_parameters():
+    rows = layer_table(vgg16, lambda: torch.zeros(1, 3, 224, 224))
+    assert sum(r["parameters"] for r in rows) == 138_357_544
+    convs = [r for r in rows if r["type"] == "Conv2d"]
+    assert len(convs) == 13 and convs[0]["output shape"] == (1, 64, 224, 224)
+    assert [r["output shape"] for r in rows if r["type"] == "MaxPool2d"][-1] == (1, 512, 7, 7)
+    assert rows[-1]["output shape"] == (1, 1000)
+
+
+def test_will_it_fit_counts_the_context_allowance():
+    p = Prediction(peak=15 * 10**9, peak_unrounded=0, before_step=0, step_peak=0, step_peak_unrounded=0,
+                   parameters=0, roles_peak={}, roles_end={})
+    table = p.will_it_fit(sizes_gb=(16, 24), allowance=10**9)
+    assert list(table["fits"]) == [True, True]          # 15 GB + 1 GB fits in 16 GB exactly
+    table = p.will_it_fit(sizes_gb=(16, 24), allowance=10**9 + 1)
+    assert list(table["fits"]) == [False, True]
