@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .counter import FAKE_LEDGER, round_up
 from .report import format_bytes
@@ -107,6 +107,9 @@ def predict(make_model: Callable[[], nn.Module],
             *, warmup_steps: int = 1, modules_depth: int = 1) -> Prediction:
     """Predict the memory of one training step exactly, allocating nothing.
 
+    Everything is built under ``FakeTensorMode``, so nothing is allocated; real
+    tensors that ``make_batch`` returns or the step meets are turned into fake ones.
+
     Args:
         make_model: builds the model (``lambda: MyNet(...)``), as for a real run.
         make_optimizer: builds the optimizer from the parameters (``lambda p: torch.optim.Adam(p)``).
@@ -124,10 +127,12 @@ def predict(make_model: Callable[[], nn.Module],
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
     t0 = time.perf_counter()
-    with FakeTensorMode():
+    # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
-        batch = make_batch()
+        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
+                              make_batch())
         for _ in range(warmup_steps):
             step(model, optimizer, batch)
         roles = RoleTracker(torch.device("cpu"), model, optimizer)
@@ -163,6 +168,30 @@ def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
     """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
     storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
+
+
+def measured_step_peak(make_model: Callable[[], nn.Module],
+                       make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                       make_batch: Callable[[], Any],
+                       step: Callable[[nn.Module, torch.optim.Optimizer, Any], Any] = default_step,
+                       *, device: str | torch.device = "cpu", warmup_steps: int = 1, seed: int = 0) -> int:
+    """The real counterpart of ``predict(...).peak``: run the same steps for real and measure the last one.
+
+    Returns the bytes (rounded like the CUDA allocator's) of the state before the step
+    (``state_tensors``) plus the step's measured peak above it.
+    """
+    from .meter import measure, resolve_device
+
+    dev = resolve_device(device)
+    torch.manual_seed(seed)
+    model = make_model().to(dev)
+    optimizer = make_optimizer(model.parameters())
+    batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
+    for _ in range(warmup_steps):
+        step(model, optimizer, batch)
+    with measure(dev, record=False) as report:
+        step(model, optimizer, batch)
+    return _state_bytes(model, optimizer, batch)[0] + report.peak
 
 
 def _module_table(roles: RoleTracker, model: nn.Module, depth: int) -> list[dict]:
@@ -266,5 +295,5 @@ def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[],
                        batch_size=batch_size, activations_per_sample=sum(r["output elements"] for r in rows))
 
 
-__all__ = ["predict", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table", "default_step", "state_tensors",
+__all__ = ["predict", "measured_step_peak", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table", "default_step", "state_tensors",
            "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]

@@ -115,3 +115,42 @@ def vgg16(num_classes: int = 1000) -> nn.Sequential:
     layers += [nn.Flatten(), nn.Linear(512 * 7 * 7, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                nn.Linear(4096, num_classes)]
     return nn.Sequential(*layers)
+
+
+def reference_cases(batch_size: int = 128) -> dict[str, tuple]:
+    """Training setups on the shipped digits data, for checking predictions against measurements.
+
+    Each value is ``(make_model, make_optimizer, make_batch, make_sample)``; ``make_sample``
+    builds the input of one sample (for the rule of thumb).
+    """
+    from .data import load_digit_tokens, load_digits
+
+    images, labels = load_digits()
+    tokens = load_digit_tokens()
+    b = batch_size
+
+    def image_batch():
+        return images[:b].clone(), labels[:b].clone()
+
+    def token_batch():
+        return tokens[:b, :-1].clone(), tokens[:b, 1:].clone()
+
+    def image_sample():
+        return torch.zeros(1, 1, 8, 8)
+
+    def token_sample():
+        return torch.zeros(1, 63, dtype=torch.long)
+
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    momentum = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    adam = lambda p: torch.optim.Adam(p)  # noqa: E731
+    adamw = lambda p: torch.optim.AdamW(p)  # noqa: E731
+    return {
+        "mlp + sgd": (lambda: MLP(width=256), sgd, image_batch, image_sample),
+        "mlp + momentum": (lambda: MLP(width=256), momentum, image_batch, image_sample),
+        "deep mlp + adam": (lambda: MLP(width=512, depth=4), adam, image_batch, image_sample),
+        "convnet + sgd": (lambda: ConvNet(16), sgd, image_batch, image_sample),
+        "convnet + adam": (lambda: ConvNet(32), adam, image_batch, image_sample),
+        "tinygpt + adamw": (lambda: TinyGPT(GPTConfig(n_layer=4, n_embd=128)), adamw, token_batch, token_sample),
+        "tinygpt + momentum": (lambda: TinyGPT(GPTConfig(n_layer=3)), momentum, token_batch, token_sample),
+    }

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import gpukit
-from gpukit.data import load_digit_tokens, load_digits
-from gpukit.estimate import (Prediction, _state_bytes, default_step, layer_table, optimizer_copies, predict,
-                             rule_of_thumb)
-from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT, parameter_bytes, vgg16
+from gpukit.data import load_digits
+from gpukit.estimate import Prediction, layer_table, measured_step_peak, optimizer_copies, predict, rule_of_thumb
+from gpukit.models import MLP, GPTConfig, TinyGPT, parameter_bytes, reference_cases, vgg16
 
 B = 128
+CASES = reference_cases(B)
 
 
 def image_batch():
@@ -17,39 +17,11 @@ def image_batch():
     return x[:B].clone(), y[:B].clone()
 
 
-def token_batch():
-    t = load_digit_tokens()[:32]
-    return t[:, :-1].clone(), t[:, 1:].clone()
-
-
-CASES = {
-    "mlp-sgd": (lambda: MLP(width=256), lambda p: torch.optim.SGD(p, lr=0.1), image_batch),
-    "mlp-momentum": (lambda: MLP(width=256), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), image_batch),
-    "mlp-adam": (lambda: MLP(width=256, depth=4), lambda p: torch.optim.Adam(p), image_batch),
-    "convnet-sgd": (lambda: ConvNet(16), lambda p: torch.optim.SGD(p, lr=0.1), image_batch),
-    "convnet-adam": (lambda: ConvNet(16), lambda p: torch.optim.Adam(p), image_batch),
-    "gpt-adamw": (lambda: TinyGPT(GPTConfig()), lambda p: torch.optim.AdamW(p), token_batch),
-    "gpt-momentum": (lambda: TinyGPT(GPTConfig(n_layer=3)), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                     token_batch),
-}
-
-
-def measured_peak(make_model, make_optimizer, make_batch):
-    """The real thing: state before the step plus the step's measured peak, on CPU."""
-    torch.manual_seed(0)
-    model, batch = make_model(), make_batch()
-    optimizer = make_optimizer(model.parameters())
-    default_step(model, optimizer, batch)  # the same warm-up step the prediction runs
-    with gpukit.measure(record=False) as report:
-        default_step(model, optimizer, batch)
-    return _state_bytes(model, optimizer, batch)[0] + report.peak
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_prediction_matches_the_measured_cpu_peak_within_1_percent(case):
-    make_model, make_optimizer, make_batch = CASES[case]
+    make_model, make_optimizer, make_batch, _ = CASES[case]
     predicted = predict(make_model, make_optimizer, make_batch)
-    measured = measured_peak(make_model, make_optimizer, make_batch)
+    measured = measured_step_peak(make_model, make_optimizer, make_batch)
     assert abs(predicted.peak - measured) <= 0.01 * measured, (predicted.peak, measured)
 
 
@@ -116,3 +88,12 @@ def test_will_it_fit_counts_the_context_allowance():
     assert list(table["fits"]) == [True, True]          # 15 GB + 1 GB fits in 16 GB exactly
     table = p.will_it_fit(sizes_gb=(16, 24), allowance=10**9 + 1)
     assert list(table["fits"]) == [False, True]
+
+
+def test_a_batch_of_real_data_is_turned_into_fake_tensors():
+    images, labels = load_digits()
+    real = predict(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1),
+                   lambda: (images[:B], labels[:B]))                 # real tensors, no copy
+    fake = predict(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1),
+                   lambda: (torch.zeros(B, 1, 8, 8), torch.zeros(B, dtype=torch.long)))
+    assert real.step_peak == fake.step_peak
