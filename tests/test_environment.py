@@ -34,8 +34,9 @@ def pinned(requirements, python="3.11"):
 
 
 def requirement_file(name):
-    lines = (ROOT / name).read_text().splitlines()
-    return [Requirement(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    """Requirements in a pip requirements file; a '#' after whitespace starts a comment, as for pip."""
+    lines = (re.sub(r"(^|\s)#.*$", "", line).strip() for line in (ROOT / name).read_text().splitlines())
+    return [Requirement(line) for line in lines if line]
 
 
 def env_specs():
