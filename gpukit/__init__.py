@@ -8,12 +8,13 @@
 In Jupyter: ``%load_ext gpukit``, then ``%%gpumem`` on any cell.
 """
 
+from .budget import budget
 from .meter import measure, resolve_device
-from .report import MemoryReport, clear_history, format_bytes, history, last
+from .report import MemoryReport, clear_history, format_bytes, history, last, parse_bytes
 
 __version__ = "0.1.0"
-__all__ = ["measure", "MemoryReport", "history", "last", "clear_history", "format_bytes",
-           "resolve_device", "load_ipython_extension"]
+__all__ = ["measure", "budget", "MemoryReport", "history", "last", "clear_history", "format_bytes",
+           "parse_bytes", "resolve_device", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:

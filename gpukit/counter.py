@@ -94,6 +94,7 @@ class Ledger:
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
         self._refs: dict[int, weakref.ref] = {}
         self.tallies: list[Tally] = []
+        self.limits: list[int] = []  # active budgets (gpukit.budget), in rounded bytes
         self.live = 0  # bytes of all known storages, unrounded
         self.live_rounded = 0
         self._mode: _CountingMode | None = None
@@ -149,16 +150,34 @@ class Ledger:
         return st if st.device.type == self.storage_device else None
 
     def see_storage(self, st: torch.UntypedStorage) -> None:
-        """Record ``st`` as allocated now if it is new, or its change of size."""
+        """Record ``st`` as allocated now if it is new, or its change of size.
+
+        Raises:
+            torch.OutOfMemoryError: when the allocation would take the live bytes past
+                an active budget; the storage is then left untracked, to die with the op.
+        """
         nbytes = st.nbytes()
         known = self.sizes.get(id(st))
         if known is None:
+            self._check_budget(nbytes)
             self._track(st, nbytes, counted=True)
         elif known != nbytes:
             # Like the allocator: the new block exists before the old one is freed.
+            self._check_budget(nbytes)
             self.sizes[id(st)] = nbytes
             self._allocated(nbytes)
             self._freed(known)
+
+    def _check_budget(self, nbytes: int) -> None:
+        if not self.limits:
+            return
+        limit, want = min(self.limits), round_up(nbytes)
+        if self.live_rounded + want > limit:
+            free = max(limit - self.live_rounded, 0)
+            raise torch.OutOfMemoryError(
+                f"out of memory under a gpukit budget ({'fake tensors' if self.fake else 'CPU, simulated'}). "
+                f"Tried to allocate {_fmt(want)}; {_fmt(self.live_rounded)} already allocated; "
+                f"budget {_fmt(limit)}, of which {_fmt(free)} free.")
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
@@ -277,6 +296,12 @@ class Ledger:
     @property
     def active(self) -> bool:
         return self._mode is not None
+
+
+def _fmt(nbytes: int) -> str:
+    from .report import format_bytes
+
+    return f"{format_bytes(nbytes)} ({nbytes:,} B)"
 
 
 def _saved_tensors(roots) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """The ``%gpumem`` line magic and ``%%gpumem`` cell magic (``%load_ext gpukit``).
 
     %gpumem y = model(x)                 measure one statement
+    %%gpumem --budget 4GB               run a cell as if on a 4 GB GPU
     %%gpumem --label "adam step" --roles model,opt
     loss = model(x).sum(); loss.backward(); opt.step()
 
@@ -11,6 +12,7 @@ to ``gpukit.history()``; ``gpukit.last()`` returns it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import shlex
 import sys
@@ -21,10 +23,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, needs_local_scope
 from IPython.display import display
 
+from .budget import budget
 from .meter import measure
 
 # Options that take a value; the line magic needs to know them to find where the statement begins.
-_VALUE_OPTIONS = {"-l", "--label", "-r", "--roles", "-d", "--device"}
+_VALUE_OPTIONS = {"-l", "--label", "-r", "--roles", "-d", "--device", "-b", "--budget"}
 
 
 def _take_token(text: str) -> tuple[str, str]:
@@ -68,6 +71,8 @@ class GpuMemMagics(Magics):
     @magic_arguments.argument("-r", "--roles", metavar="MODEL[,OPTIMIZER]",
                               help="break memory down by role, for the model (and optimizer) variables named")
     @magic_arguments.argument("-d", "--device", help="cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)")
+    @magic_arguments.argument("-b", "--budget", metavar="SIZE",
+                              help="run as if the device had only SIZE (4GB, 512MiB...): past it, torch.OutOfMemoryError")
     @magic_arguments.argument("-q", "--quiet", action="store_true", help="record the run, display nothing")
     @needs_local_scope
     @line_cell_magic
@@ -91,13 +96,14 @@ class GpuMemMagics(Magics):
             scopes = [self.shell.user_ns] if local_ns is None else [local_ns, self.shell.user_ns]
             meter = measure(args.device, label=args.label or _default_label(code),
                             **self._roles(args.roles, scopes))
+            cap = budget(args.budget, args.device) if args.budget else contextlib.nullcontext()
         except (UsageError, ValueError) as err:
             options = self.gpumem.parser.format_usage().replace("::", "").strip().removeprefix("%gpumem ")
             print(f"usage: %gpumem {options} STATEMENT\n   or: %%gpumem {options}   (first line of a cell)\n"
                   f"%gpumem: error: {err}\n(nothing was run; see %gpumem? for every option)", file=sys.stderr)
             return None
 
-        with meter as report:
+        with meter as report, cap:
             value = self._run(code, local_ns)
         if not args.quiet:
             display(report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,29 @@ def format_bytes(n: int | None) -> str:
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}"
     return f"{sign}{n} B"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """``'4GB'`` -> 4,000,000,000; ``'512 MiB'`` -> 536,870,912; ``'1e9'`` and plain numbers are bytes.
+
+    Raises:
+        ValueError: for anything else, saying what is accepted.
+    """
+    if isinstance(size, (int, float)) and not isinstance(size, bool):
+        value, unit = float(size), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"not a size: {size!r} (use bytes, or a number with B, KB, MB, GB, KiB, MiB, GiB)")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"a size must be positive, got {size!r}")
+    return nbytes
 
 
 @dataclass

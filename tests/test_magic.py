@@ -79,6 +79,7 @@ def test_quiet_records_but_displays_nothing(shell, capsys):
     "%%gpumem stray words",
     "%%gpumem -l",
     "%%gpumem -l 'unclosed",
+    "%%gpumem --budget lots",
 ])
 def test_bad_flags_print_usage_and_run_nothing(shell, capsys, line):
     result = run(shell, f"{line}\nran = True")
@@ -134,3 +135,12 @@ def test_no_leak_over_200_magic_runs(shell):
     gc.collect()
     assert (LEDGER.live, len(LEDGER.sizes)) == start
     assert gpukit.last().delta == 0 and len(gpukit.history()) == 201
+
+
+def test_budget_flag_runs_the_cell_as_if_on_a_smaller_device(shell):
+    result = run(shell, "%%gpumem --budget 1MB\nfits = torch.empty(1000)\ntoo_big = torch.empty(1_000_000)")
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    assert "budget 976.56 KiB (1,000,000 B)" in str(result.error_in_exec)
+    assert "too_big" not in shell.user_ns
+    assert LEDGER.limits == [] and not LEDGER.active
+    assert run(shell, "%%gpumem -q --budget 1GB\nok = torch.empty(1_000_000)").success

@@ -1,0 +1,116 @@
+"""gpukit.budget on CPU: a real torch.OutOfMemoryError at the right byte, and clean recovery."""
+
+import gc
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.counter import LEDGER, round_up
+from gpukit.estimate import default_step
+from gpukit.models import MLP
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    model = MLP(width=128, depth=2)
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    default_step(model, opt, (x, y))  # steady state: grads and Adam state exist
+    return model, opt, (x, y)
+
+
+def test_a_budget_of_exactly_the_needed_bytes_passes_and_one_byte_less_fails(setup):
+    model, opt, batch = setup
+    with gpukit.measure(record=False) as r:
+        default_step(model, opt, batch)
+    assert r.delta == 0  # the steady state: the next step starts from the same live bytes
+    need = r.live_start + r.peak
+    with gpukit.budget(need):
+        default_step(model, opt, batch)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        with gpukit.budget(need - 1):
+            default_step(model, opt, batch)
+
+
+def test_the_error_says_what_was_asked_what_is_used_and_the_budget():
+    with gpukit.budget(10_000_000):
+        a = torch.empty(1_000_000)
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            torch.empty(2_000_000)
+    message = str(err.value)
+    assert "Tried to allocate 7.63 MiB (8,000,000 B)" in message
+    assert "budget 9.54 MiB (10,000,000 B)" in message
+    assert "already allocated" in message and "free" in message
+    del a
+
+
+def test_nested_budgets_the_smallest_applies_and_each_exit_restores():
+    with gpukit.budget("1 GB"):
+        with gpukit.budget("1 MB"):
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(1_000_000)                # 4 MB > 1 MB
+            with gpukit.budget("1 GB"):               # a looser inner budget does not loosen
+                with pytest.raises(torch.OutOfMemoryError):
+                    torch.empty(1_000_000)
+        t = torch.empty(1_000_000)                   # back under the 1 GB budget: fits
+    assert LEDGER.limits == [] and not LEDGER.active
+    del t
+
+
+def test_after_an_oom_no_tensor_of_the_failed_step_stays_alive(setup):
+    model, opt, batch = setup
+    with gpukit.measure(record=False):
+        pass
+    before = LEDGER.live_rounded
+
+    def failing_step():
+        with gpukit.budget(before + 4096):
+            default_step(model, opt, batch)
+
+    oom = False
+    try:
+        failing_step()
+    except torch.OutOfMemoryError:
+        oom = True
+    # Outside the except block the traceback, and the activations its frames held, are gone.
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert oom
+    grads = sum(round_up(p.nbytes) for p in model.parameters())
+    with gpukit.measure(record=False):
+        pass
+    assert LEDGER.live_rounded == before - grads  # only the gradients we dropped on purpose are gone
+
+
+def test_recovery_leaves_parameters_and_optimizer_state_bit_identical(setup):
+    model, opt, batch = setup
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
+    with gpukit.measure(record=False) as r:  # the live bytes before the step
+        pass
+    skipped = 0
+    try:
+        with gpukit.budget(r.live_end + 64 * 1024):  # room for far less than the batch's activations
+            default_step(model, opt, batch)
+    except torch.OutOfMemoryError:
+        skipped += 1
+    opt.zero_grad(set_to_none=True)
+    assert skipped == 1
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), params))
+    for s, s0 in zip(opt.state.values(), state):
+        for k, v in s0.items():
+            assert torch.equal(s[k], v) if torch.is_tensor(v) else s[k] == v
+
+
+@pytest.mark.parametrize("size, expected", [("4GB", 4 * 10**9), ("512 MiB", 512 * 2**20), ("1e9", 10**9),
+                                            (2048, 2048), ("1.5 KiB", 1536)])
+def test_sizes_parse(size, expected):
+    assert gpukit.parse_bytes(size) == expected
+
+
+@pytest.mark.parametrize("bad", ["four GB", "4 XB", "-1MB", "0", ""])
+def test_bad_sizes_are_refused_saying_what_is_accepted(bad):
+    with pytest.raises(ValueError, match="size"):
+        gpukit.budget(bad)
