@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-BENCHMARKS = ["meter_overhead", "estimate_accuracy"]
+BENCHMARKS = ["meter_overhead", "estimate_accuracy", "batch_size"]
 
 
 def main(names: list[str]) -> int:

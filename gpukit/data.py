@@ -35,3 +35,26 @@ def load_digit_tokens() -> torch.Tensor:
     """The digits as token sequences for a language model: (1797, 64) int64, pixel values 0..16 row by row."""
     with np.load(_checked(DATA_DIR / "digits.npz", DIGITS_SHA256)) as f:
         return torch.from_numpy(f["images"].reshape(len(f["images"]), 64).astype(np.int64))
+
+
+def digits_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of any size from the digits (cycling through the 1797 images): images, labels."""
+    images, labels = _cached("digits", load_digits)
+    idx = torch.arange(batch_size) % len(images)
+    return images[idx], labels[idx]
+
+
+def digit_tokens_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A language-model batch of any size from the digit token sequences: inputs, next-token targets."""
+    tokens = _cached("tokens", load_digit_tokens)
+    idx = torch.arange(batch_size) % len(tokens)
+    return tokens[idx, :-1], tokens[idx, 1:]
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, load):
+    if key not in _CACHE:
+        _CACHE[key] = load()
+    return _CACHE[key]
