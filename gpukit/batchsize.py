@@ -72,7 +72,8 @@ class Trainer:
         device: where the model lives and the budget applies.
     """
 
-    def __init__(self, make_model: Callable[[], torch.nn.Module], make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    def __init__(self, make_model: Callable[[], torch.nn.Module],
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer],
                  make_batch: Callable[[int], Any], limit: int | str, step: Callable = default_step,
                  device: str | torch.device | None = None, seed: int = 0) -> None:
         self.make_model, self.make_optimizer, self.make_batch, self.step = make_model, make_optimizer, make_batch, step

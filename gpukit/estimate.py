@@ -166,7 +166,8 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
 
 def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
     """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
-    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
+    storages = {id(st): st.nbytes()
+                for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
 
 
@@ -295,5 +296,5 @@ def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[],
                        batch_size=batch_size, activations_per_sample=sum(r["output elements"] for r in rows))
 
 
-__all__ = ["predict", "measured_step_peak", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table", "default_step", "state_tensors",
-           "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]
+__all__ = ["predict", "measured_step_peak", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table",
+           "default_step", "state_tensors", "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]

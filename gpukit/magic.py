@@ -67,12 +67,13 @@ class GpuMemMagics(Magics):
     """Registers ``%gpumem`` / ``%%gpumem``."""
 
     @magic_arguments.magic_arguments()
-    @magic_arguments.argument("-l", "--label", help="name of this run in gpukit.history() (default: its first line)")
+    @magic_arguments.argument("-l", "--label",
+                              help="name of this run in gpukit.history() (default: its first line)")
     @magic_arguments.argument("-r", "--roles", metavar="MODEL[,OPTIMIZER]",
                               help="break memory down by role, for the model (and optimizer) variables named")
     @magic_arguments.argument("-d", "--device", help="cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)")
     @magic_arguments.argument("-b", "--budget", metavar="SIZE",
-                              help="run as if the device had only SIZE (4GB, 512MiB...): past it, torch.OutOfMemoryError")
+                              help="run as if the device had only SIZE (4GB, 512MiB...): beyond it, OutOfMemoryError")
     @magic_arguments.argument("-q", "--quiet", action="store_true", help="record the run, display nothing")
     @needs_local_scope
     @line_cell_magic

@@ -75,7 +75,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -85,9 +86,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A small decoder-only transformer language model (nanoGPT's shape): tokens (B, T) -> logits (B, T, V)."""
 
-    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = cfg or GPTConfig()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg.n_layer)])
