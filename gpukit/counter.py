@@ -42,12 +42,17 @@ def round_up(nbytes: int) -> int:
 
 
 class Tally:
-    """Running level and peak of one measured block, relative to its start."""
+    """Running level and peak of one measured block, relative to its start.
 
-    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded")
+    ``label`` limits it to the storages of one device type (a fake ledger tells
+    fake tensors apart by the device they pretend to be on); None counts all.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label")
+
+    def __init__(self, label: str | None = None) -> None:
         self.level = self.level_unrounded = self.peak = self.peak_unrounded = 0
+        self.label = label
 
 
 class _CountingMode(TorchDispatchMode):
@@ -91,6 +96,8 @@ class Ledger:
     def __init__(self, fake: bool = False) -> None:
         self.fake = fake
         self.storage_device = "meta" if fake else "cpu"  # where the storages it counts live
+        self.labels: dict[int, str] = {}  # fake ledger: id(storage) -> the device its tensor shows
+        self.live_by_label: dict[str, int] = {}  # fake ledger: rounded live bytes per device shown
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
         self._refs: dict[int, weakref.ref] = {}
         self.tallies: list[Tally] = []
@@ -107,11 +114,15 @@ class Ledger:
 
     # -- bookkeeping ---------------------------------------------------------
 
-    def _allocated(self, nbytes: int) -> None:
+    def _allocated(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
         self.live += nbytes
         self.live_rounded += rounded
+        if label is not None:
+            self.live_by_label[label] = self.live_by_label.get(label, 0) + rounded
         for t in self.tallies:
+            if t.label is not None and t.label != label:
+                continue
             t.level += rounded
             t.level_unrounded += nbytes
             if t.level > t.peak:
@@ -119,29 +130,38 @@ class Ledger:
             if t.level_unrounded > t.peak_unrounded:
                 t.peak_unrounded = t.level_unrounded
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
         self.live -= nbytes
         self.live_rounded -= rounded
+        if label is not None:
+            self.live_by_label[label] -= rounded
         for t in self.tallies:
+            if t.label is not None and t.label != label:
+                continue
             t.level -= rounded
             t.level_unrounded -= nbytes
 
     def _on_death(self, key: int) -> None:
         self._refs.pop(key, None)
+        label = self.labels.pop(key, None)
         nbytes = self.sizes.pop(key, None)
         if nbytes:
-            self._freed(nbytes)
+            self._freed(nbytes, label)
 
-    def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool) -> None:
+    def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool, label: str | None = None) -> None:
         key = id(storage)
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_death(key))
         self.sizes[key] = nbytes
+        if label is not None:
+            self.labels[key] = label
         if counted:
-            self._allocated(nbytes)
+            self._allocated(nbytes, label)
         else:
             self.live += nbytes
             self.live_rounded += round_up(nbytes)
+            if label is not None:
+                self.live_by_label[label] = self.live_by_label.get(label, 0) + round_up(nbytes)
 
     def _storage_of(self, t: torch.Tensor) -> torch.UntypedStorage | None:
         if t.layout is not torch.strided or is_traceable_wrapper_subclass(t):
@@ -149,7 +169,7 @@ class Ledger:
         st = t.untyped_storage()
         return st if st.device.type == self.storage_device else None
 
-    def see_storage(self, st: torch.UntypedStorage) -> None:
+    def see_storage(self, st: torch.UntypedStorage, label: str | None = None) -> None:
         """Record ``st`` as allocated now if it is new, or its change of size.
 
         Raises:
@@ -160,13 +180,14 @@ class Ledger:
         known = self.sizes.get(id(st))
         if known is None:
             self._check_budget(nbytes)
-            self._track(st, nbytes, counted=True)
+            self._track(st, nbytes, counted=True, label=label)
         elif known != nbytes:
             # Like the allocator: the new block exists before the old one is freed.
             self._check_budget(nbytes)
+            label = self.labels.get(id(st))
             self.sizes[id(st)] = nbytes
-            self._allocated(nbytes)
-            self._freed(known)
+            self._allocated(nbytes, label)
+            self._freed(known, label)
 
     def _check_budget(self, nbytes: int) -> None:
         if not self.limits:
@@ -184,14 +205,15 @@ class Ledger:
         if type(t) is torch.Tensor and not self.fake:  # the common case, checked cheaply
             if not t.is_cpu or t.layout is not torch.strided:
                 return
-            st = t.untyped_storage()
-        else:
-            if not t.is_cpu:
-                return
+            self.see_storage(t.untyped_storage())
+        elif self.fake:  # fake tensors, and plain meta tensors: labelled by the device they show
             st = self._storage_of(t)
-            if st is None:
-                return
-        self.see_storage(st)
+            if st is not None:
+                self.see_storage(st, t.device.type)
+        elif t.is_cpu:
+            st = self._storage_of(t)
+            if st is not None:
+                self.see_storage(st)
 
     # -- finding what existed before a block -----------------------------------
 
@@ -245,20 +267,20 @@ class Ledger:
                     self._adopt(inner)
             return
         try:
-            if t.device.type != "cpu":
+            if t.device.type != "cpu" and not self.fake:
                 return
             st = self._storage_of(t)
         except (RuntimeError, NotImplementedError):  # tensors without storage
             return
         if st is not None and id(st) not in self.sizes:
-            self._track(st, st.nbytes(), counted=False)
+            self._track(st, st.nbytes(), counted=False, label=t.device.type if self.fake else None)
 
     # -- turning the counter on and off ------------------------------------------
 
-    def start(self) -> Tally:
-        """Begin a measured block: returns its tally, updated until ``stop``."""
+    def start(self, label: str | None = None) -> Tally:
+        """Begin a measured block: returns its tally (of one device type, or all), updated until ``stop``."""
         self.adopt_existing()
-        tally = Tally()
+        tally = Tally(label)
         self.tallies.append(tally)
         if self._mode is None:
             self._patch_storage_resize()

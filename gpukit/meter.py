@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from .counter import LEDGER
+from .counter import FAKE_LEDGER, LEDGER
 from .report import MemoryReport, record
 from .roles import RoleTracker
 
 CPU_BACKEND = "exact live-tensor counter"
 CUDA_BACKEND = "CUDA caching allocator"
+SIMULATED_BACKEND = "fake-tensor counter (a simulated device: nothing is allocated)"
 
 
 def default_device() -> torch.device:
@@ -44,8 +45,8 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"not a device: {device!r} (use 'cpu', 'cuda' or 'cuda:N')") from err
-    if dev.type == "cpu":
-        return torch.device("cpu")
+    if dev.type in ("cpu", "meta"):
+        return torch.device(dev.type)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but this machine has no CUDA GPU; "
@@ -54,16 +55,20 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         if index >= torch.cuda.device_count():
             raise ValueError(f"no GPU cuda:{index}: this machine has {torch.cuda.device_count()}")
         return torch.device("cuda", index)
-    raise ValueError(f"gpukit measures 'cpu' and 'cuda' devices, not {dev.type!r}")
+    raise ValueError(f"gpukit measures 'cpu', 'cuda' and 'meta' (a simulated device) devices, not {dev.type!r}")
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "meta":
+        return "meta (simulated GPU)"
     return "cpu"
 
 
 class _CpuMeter:
+    """Real CPU memory, from the live-tensor counter."""
+
     def __init__(self, device: torch.device) -> None:
         self.tally = None
 
@@ -73,10 +78,29 @@ class _CpuMeter:
 
     def stop(self, report: MemoryReport) -> None:
         LEDGER.stop(self.tally)
-        t = self.tally
-        report.peak, report.peak_unrounded = t.peak, t.peak_unrounded
-        report.delta, report.delta_unrounded = t.level, t.level_unrounded
-        report.live_end = report.live_start + t.level
+        _fill(report, self.tally)
+
+
+class _SimulatedMeter:
+    """A simulated device: tensors on 'meta' (plain, or fake tensors under FakeTensorMode) hold no
+    memory; the same counter counts what they would hold, as a GPU would allocate it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tally = None
+
+    def start(self, report: MemoryReport) -> None:
+        self.tally = FAKE_LEDGER.start(label="meta")
+        report.live_start = FAKE_LEDGER.live_by_label.get("meta", 0)
+
+    def stop(self, report: MemoryReport) -> None:
+        FAKE_LEDGER.stop(self.tally)
+        _fill(report, self.tally)
+
+
+def _fill(report: MemoryReport, tally) -> None:
+    report.peak, report.peak_unrounded = tally.peak, tally.peak_unrounded
+    report.delta, report.delta_unrounded = tally.level, tally.level_unrounded
+    report.live_end = report.live_start + tally.level
 
 
 class _CudaMeter:
@@ -135,7 +159,9 @@ class measure:
 
     Args:
         device: what to measure: ``'cpu'``, ``'cuda'``, ``'cuda:N'``; default the
-            current GPU if there is one, else the CPU.
+            current GPU if there is one, else the CPU. ``'meta'`` measures a simulated
+            device: what tensors on ``meta`` (fake tensors under ``FakeTensorMode``
+            among them) would allocate, for lessons that need a GPU beside the CPU.
         label: a name for the report and its row in ``gpukit.history()``.
         model: with it (and ``optimizer``), the report breaks memory down by role
             (parameters, gradients, optimizer state, activations, temporaries).
@@ -164,10 +190,10 @@ class measure:
     def __enter__(self) -> MemoryReport:
         if self.report is not None:
             raise RuntimeError("a measure() object is used once; make a new one for each block")
-        cpu = self.device.type == "cpu"
-        self.report = MemoryReport(label=self.label, device=device_name(self.device),
-                                   backend=CPU_BACKEND if cpu else CUDA_BACKEND)
-        self._meter = _CpuMeter(self.device) if cpu else _CudaMeter(self.device)
+        meter, backend = {"cpu": (_CpuMeter, CPU_BACKEND), "meta": (_SimulatedMeter, SIMULATED_BACKEND),
+                          "cuda": (_CudaMeter, CUDA_BACKEND)}[self.device.type]
+        self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
+        self._meter = meter(self.device)
         self._meter.start(self.report)
         if self._roles is not None:
             try:
