@@ -10,25 +10,36 @@ from gpukit.batchsize import Trainer, double_then_bisect, predict_then_confirm, 
 from gpukit.data import digit_tokens_batch, digits_batch
 from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT
 
+# Budgets are above what the process already holds on the CPU (a CPU budget counts every live tensor).
 SETUPS = {
-    "mlp + adam": (lambda: MLP(width=256, depth=2), lambda p: torch.optim.Adam(p), digits_batch, "6MB"),
-    "convnet + momentum": (lambda: ConvNet(8), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), digits_batch, "8MB"),
+    "mlp + adam": (lambda: MLP(width=256, depth=2), lambda p: torch.optim.Adam(p), digits_batch, 6_000_000),
+    "convnet + momentum": (lambda: ConvNet(8), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), digits_batch,
+                           8_000_000),
     "tinygpt + adamw": (lambda: TinyGPT(GPTConfig(n_layer=1, n_embd=32)), lambda p: torch.optim.AdamW(p),
-                        digit_tokens_batch, "12MB"),
+                        digit_tokens_batch, 12_000_000),
 }
 MARGIN = 0.05
 
 
+def above_now(nbytes):
+    """A budget of ``nbytes`` more than the CPU tensors alive now."""
+    gc.collect()
+    with gpukit.measure(record=False) as r:
+        pass
+    return r.live_end + nbytes
+
+
 @pytest.mark.parametrize("name", SETUPS)
 def test_prediction_finds_the_true_maximum_within_its_margin_with_fewer_real_steps(name):
-    make_model, make_opt, make_batch, limit = SETUPS[name]
+    make_model, make_opt, make_batch, room = SETUPS[name]
+    limit = above_now(room)
     ours = predict_then_confirm(Trainer(make_model, make_opt, make_batch, limit), margin=MARGIN)
     doubling = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit))
     shrinking = shrink_on_failure(Trainer(make_model, make_opt, make_batch, limit), start=1024)
 
     # The truth, by bisection with real steps: the largest batch that fits (1 - margin) of the budget...
     at_margin = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit),
-                                   limit=int(gpukit.parse_bytes(limit) * (1 - MARGIN))).batch
+                                   limit=int(limit * (1 - MARGIN))).batch
     assert ours.batch == at_margin > 0
     # ...which is at most the largest that fits the whole budget.
     assert ours.batch <= doubling.batch
@@ -37,7 +48,7 @@ def test_prediction_finds_the_true_maximum_within_its_margin_with_fewer_real_ste
 
 
 def test_a_failed_trial_leaves_the_trainer_as_it_was():
-    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, "2MB")
+    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(2_000_000))
     gc.collect()  # garbage of earlier tests would otherwise be freed by the trial's own collection
     with gpukit.measure(record=False) as before:
         pass
@@ -49,6 +60,6 @@ def test_a_failed_trial_leaves_the_trainer_as_it_was():
 
 
 def test_a_budget_too_small_for_one_sample_finds_nothing():
-    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, "1KB")
+    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(1024))
     assert predict_then_confirm(trainer).batch == 0
     assert double_then_bisect(trainer).batch == 0
