@@ -233,27 +233,45 @@ class Ledger:
             # No list may be built around these: one made before the call would be
             # inside it, a cycle that keeps every object listed alive until the next collection.
             for obj in gc.get_objects() if gen is None else gc.get_objects(gen):
-                if issubclass(type(obj), torch.Tensor) and id(obj) not in tensors:
+                if not issubclass(type(obj), torch.Tensor) or id(obj) in tensors:
+                    continue
+                if self._keep(obj):
                     tensors[id(obj)] = weakref.ref(obj, lambda _ref, key=id(obj): tensors.pop(key, None))
+                else:
+                    self._read(obj, [])
         obj = None
-        graph_roots = []
+        graph_roots: list = []
         for ref in list(tensors.values()):
             obj = ref()
-            if obj is None:
-                continue
-            try:
-                self._adopt(obj)
-                if obj.grad_fn is not None:
-                    graph_roots.append(obj.grad_fn)
-                if obj.is_leaf or obj.retains_grad:
-                    grad = obj.grad
-                    if grad is not None:
-                        self._adopt(grad)
-            except Exception:  # an exotic tensor type that has no storage to count
-                continue
+            if obj is not None:
+                self._read(obj, graph_roots)
         if graph_roots:
             for t in _saved_tensors(graph_roots):
                 self._adopt(t)
+
+    def _keep(self, t: torch.Tensor) -> bool:
+        """Whether to keep a weak reference to this tensor object between scans.
+
+        Not to tensor subclasses that PyTorch may swap in place (DTensor: FSDP2;
+        fake tensors, for the real counter): ``torch.utils.swap_tensors`` refuses
+        tensors with weak references. Their storages are adopted when first found.
+        """
+        if is_traceable_wrapper_subclass(t):
+            return False
+        return self.fake or not isinstance(t, FakeTensor)
+
+    def _read(self, t: torch.Tensor, graph_roots: list) -> None:
+        """Adopt a tensor's storage, its ``.grad``, and note its autograd graph."""
+        try:
+            self._adopt(t)
+            if t.grad_fn is not None:
+                graph_roots.append(t.grad_fn)
+            if t.is_leaf or t.retains_grad:
+                grad = t.grad
+                if grad is not None:
+                    self._adopt(grad)
+        except Exception:  # an exotic tensor type that has no storage to count
+            pass
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "stop":

@@ -211,3 +211,16 @@ def test_report_renders_as_text_and_html():
     assert page.startswith("<div") and "<table>" in page
     assert "0x" not in text  # nothing that changes between runs
     del t
+
+
+def test_swapping_tensors_still_works_after_a_measurement():
+    # PyTorch refuses to swap tensors that have weak references (FSDP2 swaps DTensor parameters; so does
+    # Module.to() with swap_module_params_on_conversion). The counter keeps none on such tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(10)
+        other = torch.empty(10)
+        with gpukit.measure(record=False):
+            pass
+        torch.utils.swap_tensors(fake, other)
