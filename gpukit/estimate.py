@@ -16,6 +16,8 @@ and a measurement agree to the byte where the code paths agree.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -137,15 +139,16 @@ def predict(make_model: Callable[[], nn.Module],
             step(model, optimizer, batch)
         roles = RoleTracker(torch.device("cpu"), model, optimizer)
         before, before_unrounded = _state_bytes(model, optimizer, batch)
-        tally = FAKE_LEDGER.start()
-        try:
-            roles.start()
+        with _quiet_gc():
+            tally = FAKE_LEDGER.start()
             try:
-                step(model, optimizer, batch)
+                roles.start()
+                try:
+                    step(model, optimizer, batch)
+                finally:
+                    roles.stop()
             finally:
-                roles.stop()
-        finally:
-            FAKE_LEDGER.stop(tally)
+                FAKE_LEDGER.stop(tally)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
     return Prediction(
@@ -190,9 +193,23 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
     for _ in range(warmup_steps):
         step(model, optimizer, batch)
-    with measure(dev, record=False) as report:
+    with _quiet_gc(), measure(dev, record=False) as report:
         step(model, optimizer, batch)
     return _state_bytes(model, optimizer, batch)[0] + report.peak
+
+
+@contextlib.contextmanager
+def _quiet_gc():
+    """Collect garbage first, then keep the collector still: unrelated garbage (an earlier prediction's fake
+    tensors, say) freed in the middle of the step would otherwise count as the step's own frees."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _module_table(roles: RoleTracker, model: nn.Module, depth: int) -> list[dict]:

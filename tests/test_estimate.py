@@ -97,3 +97,13 @@ def test_a_batch_of_real_data_is_turned_into_fake_tensors():
     fake = predict(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1),
                    lambda: (torch.zeros(B, 1, 8, 8), torch.zeros(B, dtype=torch.long)))
     assert real.step_peak == fake.step_peak
+
+
+def test_the_same_prediction_twice_gives_the_same_bytes():
+    # Garbage left by earlier predictions must not count as frees of the step being predicted.
+    make = (lambda: TinyGPT(GPTConfig(n_layer=2)), lambda q: torch.optim.AdamW(q),
+            lambda: (torch.zeros(16, 63, dtype=torch.long), torch.zeros(16, 63, dtype=torch.long)))
+    first = predict(*make)
+    for _ in range(3):
+        predict(lambda: MLP(width=512, depth=4), lambda q: torch.optim.Adam(q), image_batch)
+    assert predict(*make).peak == first.peak
