@@ -48,11 +48,13 @@ class Tally:
     fake tensors apart by the device they pretend to be on); None counts all.
     """
 
-    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label")
+    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label", "events", "phase")
 
     def __init__(self, label: str | None = None) -> None:
         self.level = self.level_unrounded = self.peak = self.peak_unrounded = 0
         self.label = label
+        self.events: list | None = None  # (level, phase) after every change, when a timeline is wanted
+        self.phase = None  # a callable naming the phase of training (forward, backward, optimizer)
 
 
 class _CountingMode(TorchDispatchMode):
@@ -129,6 +131,8 @@ class Ledger:
                 t.peak = t.level
             if t.level_unrounded > t.peak_unrounded:
                 t.peak_unrounded = t.level_unrounded
+            if t.events is not None:
+                t.events.append((t.level, t.phase()))
 
     def _freed(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
@@ -141,6 +145,8 @@ class Ledger:
                 continue
             t.level -= rounded
             t.level_unrounded -= nbytes
+            if t.events is not None:
+                t.events.append((t.level, t.phase()))
 
     def _on_death(self, key: int) -> None:
         self._refs.pop(key, None)

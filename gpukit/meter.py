@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .counter import FAKE_LEDGER, LEDGER
 from .report import MemoryReport, record
@@ -66,14 +68,46 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
+class Phases:
+    """Which part of a training step is running: 'forward', 'backward' (autograd's engine is
+    running a graph) or 'optimizer' (inside any ``optimizer.step()``, through PyTorch's global
+    optimizer hooks)."""
+
+    def __init__(self) -> None:
+        self.in_optimizer = 0
+        self._handles = []
+
+    def start(self) -> None:
+        def pre(*_):
+            self.in_optimizer += 1
+
+        def post(*_):
+            self.in_optimizer -= 1
+
+        self._handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __call__(self) -> str:
+        if self.in_optimizer:
+            return "optimizer"
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 class _CpuMeter:
     """Real CPU memory, from the live-tensor counter."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, phases: Phases | None = None) -> None:
         self.tally = None
+        self.phases = phases
 
     def start(self, report: MemoryReport) -> None:
         self.tally = LEDGER.start()
+        if self.phases is not None:
+            self.tally.events, self.tally.phase = [], self.phases
         report.live_start = LEDGER.live_rounded
 
     def stop(self, report: MemoryReport) -> None:
@@ -85,11 +119,14 @@ class _SimulatedMeter:
     """A simulated device: tensors on 'meta' (plain, or fake tensors under FakeTensorMode) hold no
     memory; the same counter counts what they would hold, as a GPU would allocate it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, phases: Phases | None = None) -> None:
         self.tally = None
+        self.phases = phases
 
     def start(self, report: MemoryReport) -> None:
         self.tally = FAKE_LEDGER.start(label="meta")
+        if self.phases is not None:
+            self.tally.events, self.tally.phase = [], self.phases
         report.live_start = FAKE_LEDGER.live_by_label.get("meta", 0)
 
     def stop(self, report: MemoryReport) -> None:
@@ -101,6 +138,22 @@ def _fill(report: MemoryReport, tally) -> None:
     report.peak, report.peak_unrounded = tally.peak, tally.peak_unrounded
     report.delta, report.delta_unrounded = tally.level, tally.level_unrounded
     report.live_end = report.live_start + tally.level
+    if tally.events is not None:
+        report.timeline = tally.events
+
+
+class _AllocatedAfterEachOp(TorchDispatchMode):
+    """The CUDA timeline: the allocator's allocated bytes after every op (a transient peak inside one
+    op shows in ``report.peak``, which comes from the allocator's own peak counter, not here)."""
+
+    def __init__(self, device: torch.device, start: int, phases: Phases) -> None:
+        super().__init__()
+        self.device, self.start, self.phases, self.events = device, start, phases, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.events.append((torch.cuda.memory_allocated(self.device) - self.start, self.phases()))
+        return out
 
 
 class _CudaMeter:
@@ -113,10 +166,12 @@ class _CudaMeter:
 
     _active: dict[int, list["_CudaMeter"]] = {}
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, phases: Phases | None = None) -> None:
         self.device = device
         self.index = device.index
         self.max = {}
+        self.phases = phases
+        self.recorder = None
 
     _KEYS = {"allocated": "allocated_bytes.all", "requested": "requested_bytes.all",
              "reserved": "reserved_bytes.all"}
@@ -136,8 +191,14 @@ class _CudaMeter:
         active.append(self)
         report.live_start = self.start_stats["allocated"]
         report.reserved_start = self.start_stats["reserved"]
+        if self.phases is not None:
+            self.recorder = _AllocatedAfterEachOp(self.device, report.live_start, self.phases)
+            self.recorder.__enter__()
 
     def stop(self, report: MemoryReport) -> None:
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            report.timeline = self.recorder.events
         stats = torch.cuda.memory_stats(self.index)
         active = self._active[self.index]
         for meter in active:
@@ -168,6 +229,9 @@ class measure:
         optimizer: the optimizer the block steps, for the role breakdown.
         record: append the report to the session history (``gpukit.history()``)
             when the block ends without an exception.
+        timeline: also record the level after every allocation and free (on CUDA:
+            after every op), with the phase of training it happened in, as
+            ``report.timeline`` (plot it with ``gpukit.plots.timeline``).
 
     Returns (from ``__enter__``):
         A ``MemoryReport`` that is filled in when the block ends. Blocks can nest;
@@ -180,10 +244,11 @@ class measure:
 
     def __init__(self, device: str | torch.device | int | None = None, *, label: str | None = None,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 record: bool = True) -> None:
+                 record: bool = True, timeline: bool = False) -> None:
         self.device = resolve_device(device)
         self.label = label
         self.record = record
+        self._phases = Phases() if timeline else None
         self._roles = RoleTracker(self.device, model, optimizer) if (model or optimizer) else None
         self.report: MemoryReport | None = None
 
@@ -193,7 +258,9 @@ class measure:
         meter, backend = {"cpu": (_CpuMeter, CPU_BACKEND), "meta": (_SimulatedMeter, SIMULATED_BACKEND),
                           "cuda": (_CudaMeter, CUDA_BACKEND)}[self.device.type]
         self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
-        self._meter = meter(self.device)
+        self._meter = meter(self.device, self._phases)
+        if self._phases is not None:
+            self._phases.start()
         self._meter.start(self.report)
         if self._roles is not None:
             try:
@@ -215,6 +282,8 @@ class measure:
                 report.roles_peak, report.roles_end = self._roles.peak, self._roles.end
         finally:
             self._meter.stop(report)
+            if self._phases is not None:
+                self._phases.stop()
         if exc_type is None and self.record:
             record(report)
         return False

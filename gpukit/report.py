@@ -78,6 +78,7 @@ class MemoryReport:
     roles_peak: dict[str, int] | None = None
     roles_end: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
+    timeline: list[tuple[int, str]] | None = None  # (bytes above the start, phase) after each change
 
     @property
     def peak_abs(self) -> int:
@@ -86,7 +87,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("roles_peak", "roles_end", "notes")}
+               if f.name not in ("roles_peak", "roles_end", "notes", "timeline")}
         for prefix, roles in (("peak", self.roles_peak), ("end", self.roles_end)):
             for role, nbytes in (roles or {}).items():
                 row[f"{role} ({prefix})"] = nbytes
@@ -160,7 +161,8 @@ def history():
     """Every report recorded this session, oldest first, as a pandas DataFrame (one row each)."""
     import pandas as pd
 
-    columns = [f.name for f in dataclasses.fields(MemoryReport) if f.name not in ("roles_peak", "roles_end", "notes")]
+    columns = [f.name for f in dataclasses.fields(MemoryReport)
+               if f.name not in ("roles_peak", "roles_end", "notes", "timeline")]
     return pd.DataFrame([r.to_dict() for r in _HISTORY], columns=None if _HISTORY else columns)
 
 
