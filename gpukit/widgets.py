@@ -63,3 +63,106 @@ class MemoryGauge(w.VBox):
 
     def __repr__(self) -> str:
         return f"MemoryGauge({self.text()})"
+
+
+class TechniqueExplorer(w.VBox):
+    """Toggle autocast, checkpointing, gradient accumulation and the batch size; each run measures one real
+    training step and adds it to the role bars and the table.
+
+    Args:
+        make_model: builds the model (a fresh one for every run, from the same seed).
+        make_batch: ``make_batch(batch_size)`` builds ``(x, y)``.
+        make_optimizer: builds the optimizer from the parameters (default Adam).
+        device: where to run (default the GPU if there is one, else the CPU).
+        batch_sizes: the choices offered.
+    """
+
+    def __init__(self, make_model, make_batch, make_optimizer=None, device=None,
+                 batch_sizes=(64, 128, 256, 512, 1024, 2048)) -> None:
+        import torch
+
+        from .meter import resolve_device
+
+        self.make_model, self.make_batch = make_model, make_batch
+        self.make_optimizer = make_optimizer or (lambda p: torch.optim.Adam(p))
+        self.device = resolve_device(device)
+        self.reports: list[MemoryReport] = []
+        self.amp = w.ToggleButton(description="autocast (bf16)", value=False)
+        self.checkpointing = w.ToggleButton(description="checkpointing", value=False)
+        self.accumulation = w.IntSlider(description="accumulate", min=1, max=8, value=1)
+        self.batch = w.Dropdown(description="batch", options=list(batch_sizes), value=batch_sizes[len(batch_sizes) // 2])
+        self.button = w.Button(description="run one step", button_style="primary")
+        self.button.on_click(lambda _: self.run())
+        self.plot = w.Output()
+        self.table = w.HTML()
+        super().__init__([w.HBox([self.amp, self.checkpointing]), w.HBox([self.accumulation, self.batch]),
+                          self.button, self.plot, self.table])
+
+    def settings(self) -> str:
+        parts = [f"batch {self.batch.value}"]
+        if self.accumulation.value > 1:
+            parts.append(f"accumulate {self.accumulation.value}")
+        if self.amp.value:
+            parts.append("bf16")
+        if self.checkpointing.value:
+            parts.append("checkpointing")
+        return ", ".join(parts)
+
+    def run(self, **settings) -> MemoryReport:
+        """Measure one steady-state step with the current settings (or these: amp=, checkpointing=,
+        accumulation=, batch=), and show it beside the earlier runs."""
+        import torch
+        import torch.nn.functional as F
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        from .meter import measure
+        from .plots import role_bars
+
+        for name, value in settings.items():
+            getattr(self, name).value = value
+        torch.manual_seed(0)
+        model = self.make_model().to(self.device)
+        opt = self.make_optimizer(model.parameters())
+        x, y = (t.to(self.device) for t in self.make_batch(self.batch.value))
+        k, amp, ckpt = self.accumulation.value, self.amp.value, self.checkpointing.value
+        layers = list(model.children())
+        sequential = isinstance(model, torch.nn.Sequential) or (len(layers) == 1 and
+                                                                 isinstance(layers[0], torch.nn.Sequential))
+
+        def forward(xs):
+            if not ckpt:
+                return model(xs)
+            if sequential:
+                seq = model if isinstance(model, torch.nn.Sequential) else layers[0]
+                return checkpoint_sequential(seq, max(1, int(len(seq) ** 0.5)), xs, use_reentrant=False)
+            return checkpoint(model, xs, use_reentrant=False)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            for xs, ys in zip(x.chunk(k), y.chunk(k)):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
+                    loss = F.cross_entropy(forward(xs), ys) / k
+                loss.backward()
+            opt.step()
+
+        step()  # warm-up: gradients and optimizer state exist
+        with measure(self.device, label=self.settings(), model=model, optimizer=opt, record=False) as report:
+            step()
+        self.reports.append(report)
+        self.plot.clear_output(wait=True)
+        with self.plot:
+            import matplotlib.pyplot as plt
+            from IPython.display import display
+
+            figure = role_bars(self.reports, at="peak").figure
+            display(figure)
+            plt.close(figure)
+        rows = "".join(f"<tr><td>{r.label}</td><td>{format_bytes(r.peak)}</td><td>{format_bytes(r.peak_abs)}</td>"
+                       f"<td>{r.seconds * 1e3:.1f} ms</td></tr>" for r in self.reports)
+        self.table.value = ("<table><tr><th>settings</th><th>peak above start</th><th>peak</th><th>time</th></tr>"
+                            f"{rows}</table>")
+        return report
+
+    def __repr__(self) -> str:
+        runs = "; ".join(f"{r.label}: peak {format_bytes(r.peak_abs)}" for r in self.reports) or "no run yet"
+        return f"TechniqueExplorer({runs})"

@@ -90,3 +90,22 @@ def test_gauge_follows_current_and_peak_against_the_budget():
     assert gauge._peak_bar.max == 10_000 and gauge._peak_bar.value == 10_000
     assert gauge._peak_bar.bar_style == "danger"          # the budget was crossed
     assert "step 3" in repr(gauge) and "budget" in gauge.text()
+
+
+def test_the_explorer_measures_each_technique_and_shows_it():
+    from gpukit.data import digits_batch
+    from gpukit.widgets import TechniqueExplorer
+
+    explorer = TechniqueExplorer(lambda: MLP(width=256, depth=3), digits_batch, batch_sizes=(256, 1024))
+    base = explorer.run(batch=1024)
+    accumulated = explorer.run(accumulation=4)
+    checkpointed = explorer.run(accumulation=1, checkpointing=True)
+    explorer.button.click()                      # the button runs the current settings again
+    bf16 = explorer.run(checkpointing=False, amp=True)
+    assert len(explorer.reports) == 5
+    assert bf16.peak < base.peak and bf16.label == "batch 1024, bf16"
+    assert accumulated.peak < base.peak and checkpointed.peak < base.peak
+    assert accumulated.label == "batch 1024, accumulate 4"
+    assert "batch 1024, checkpointing" in explorer.table.value and "TechniqueExplorer(" in repr(explorer)
+    # The same step gives the same memory: the fourth run repeats the third.
+    assert explorer.reports[3].peak == checkpointed.peak
