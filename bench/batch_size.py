@@ -9,17 +9,15 @@ Writes bench/out/batch_size.csv.
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
 
 import torch
+from results import write_csv
 
 import gpukit
 from gpukit.batchsize import Trainer, double_then_bisect, predict_then_confirm, shrink_on_failure
 from gpukit.data import digit_tokens_batch, digits_batch
 from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT
 
-OUT = Path(__file__).resolve().parent / "out"
 MARGIN = 0.05
 SETUPS = {  # name: (make_model, make_optimizer, make_batch, budget)
     "mlp 512x3 + adam": (lambda: MLP(width=512, depth=3), lambda p: torch.optim.Adam(p), digits_batch, "24MB"),
@@ -46,11 +44,7 @@ def main() -> list[dict]:
             print(f"{name:<22} budget {limit:>5}  true max {truth:>5} ({truth_margin} at margin)  "
                   f"{search.strategy:<24} found {search.batch:>5} with {search.real_steps:>2} real steps"
                   f" and {search.predictions:>2} predictions", flush=True)
-    OUT.mkdir(exist_ok=True)
-    with open(OUT / "batch_size.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv("batch_size.csv", rows)
     return rows
 
 

@@ -10,16 +10,14 @@ Writes bench/out/estimate_accuracy.csv and bench/out/estimate_large.csv.
 
 from __future__ import annotations
 
-import csv
 import time
-from pathlib import Path
 
 import torch
+from results import write_csv
 
 from gpukit.estimate import measured_step_peak, predict, rule_of_thumb
 from gpukit.models import GPTConfig, TinyGPT, reference_cases, vgg16
 
-OUT = Path(__file__).resolve().parent / "out"
 BATCH = 128
 LARGE = {  # name: (make_model, make_optimizer, make_batch)
     "vgg16 224px batch 64 + sgd momentum": (
@@ -34,14 +32,6 @@ LARGE = {  # name: (make_model, make_optimizer, make_batch)
         lambda p: torch.optim.AdamW(p),
         lambda: (torch.zeros(8, 2048, dtype=torch.long), torch.zeros(8, 2048, dtype=torch.long))),
 }
-
-
-def write(name: str, rows: list[dict]) -> None:
-    OUT.mkdir(exist_ok=True)
-    with open(OUT / name, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def main() -> None:
@@ -61,7 +51,7 @@ def main() -> None:
         rows.append(row)
         print(f"{name:<20}{real:>14,}{pred.peak:>14,}{row['error_pct']:>9.3f}{rule.total:>14,}"
               f"{row['rule_error_pct']:>8.1f}{seconds:>10.2f}", flush=True)
-    write("estimate_accuracy.csv", rows)
+    write_csv("estimate_accuracy.csv", rows)
 
     large = []
     for name, (make_model, make_opt, make_batch) in LARGE.items():
@@ -73,7 +63,7 @@ def main() -> None:
                       "torch": torch.__version__})
         print(f"{name:<40} {pred.parameters:>15,} parameters  peak {pred.peak / 2**30:8.2f} GiB"
               f"  predicted in {seconds:.1f} s", flush=True)
-    write("estimate_large.csv", large)
+    write_csv("estimate_large.csv", large)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,17 @@ every op. Writes bench/out/meter_overhead.csv.
 
 from __future__ import annotations
 
-import csv
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from results import write_csv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpukit
 from gpukit.data import load_digits
 from gpukit.models import MLP, ConvNet
 
-OUT = Path(__file__).resolve().parent / "out"
 CASES = [  # (name, model factory, batch size)
     ("mlp-256x2", lambda: MLP(width=256, depth=2), 256),
     ("mlp-1024x3", lambda: MLP(width=1024, depth=3), 512),
@@ -78,11 +76,7 @@ def main(repeats: int = 40) -> list[dict]:
         rows.append(row)
         print(f"{name:<12} batch {batch:>4}: plain {row['plain_ms']:8.2f} ms   measured {row['measured_ms']:8.2f} ms"
               f"   ratio {row['ratio']:.3f}   (empty dispatch mode alone: {row['empty_mode_ratio']:.3f})", flush=True)
-    OUT.mkdir(exist_ok=True)
-    with open(OUT / "meter_overhead.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv("meter_overhead.csv", rows)
     return rows
 
 
