@@ -97,40 +97,24 @@ class Phases:
         return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-class _CpuMeter:
-    """Real CPU memory, from the live-tensor counter."""
+class _LedgerMeter:
+    """Memory from a gpukit counter: real CPU memory (``LEDGER``), or a simulated device (``FAKE_LEDGER``
+    counting tensors on 'meta', plain or fake under FakeTensorMode, which hold no memory, as a GPU would
+    allocate them)."""
 
-    def __init__(self, device: torch.device, phases: Phases | None = None) -> None:
+    def __init__(self, ledger, label: str | None, phases: Phases | None = None) -> None:
+        self.ledger, self.label, self.phases = ledger, label, phases
         self.tally = None
-        self.phases = phases
 
     def start(self, report: MemoryReport) -> None:
-        self.tally = LEDGER.start()
+        self.tally = self.ledger.start(label=self.label)
         if self.phases is not None:
             self.tally.events, self.tally.phase = [], self.phases
-        report.live_start = LEDGER.live_rounded
+        report.live_start = (self.ledger.live_rounded if self.label is None
+                             else self.ledger.live_by_label.get(self.label, 0))
 
     def stop(self, report: MemoryReport) -> None:
-        LEDGER.stop(self.tally)
-        _fill(report, self.tally)
-
-
-class _SimulatedMeter:
-    """A simulated device: tensors on 'meta' (plain, or fake tensors under FakeTensorMode) hold no
-    memory; the same counter counts what they would hold, as a GPU would allocate it."""
-
-    def __init__(self, device: torch.device, phases: Phases | None = None) -> None:
-        self.tally = None
-        self.phases = phases
-
-    def start(self, report: MemoryReport) -> None:
-        self.tally = FAKE_LEDGER.start(label="meta")
-        if self.phases is not None:
-            self.tally.events, self.tally.phase = [], self.phases
-        report.live_start = FAKE_LEDGER.live_by_label.get("meta", 0)
-
-    def stop(self, report: MemoryReport) -> None:
-        FAKE_LEDGER.stop(self.tally)
+        self.ledger.stop(self.tally)
         _fill(report, self.tally)
 
 
@@ -255,10 +239,14 @@ class measure:
     def __enter__(self) -> MemoryReport:
         if self.report is not None:
             raise RuntimeError("a measure() object is used once; make a new one for each block")
-        meter, backend = {"cpu": (_CpuMeter, CPU_BACKEND), "meta": (_SimulatedMeter, SIMULATED_BACKEND),
-                          "cuda": (_CudaMeter, CUDA_BACKEND)}[self.device.type]
+        kind = self.device.type
+        backend = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}[kind]
         self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
-        self._meter = meter(self.device, self._phases)
+        if kind == "cuda":
+            self._meter = _CudaMeter(self.device, self._phases)
+        else:
+            ledger, label = (LEDGER, None) if kind == "cpu" else (FAKE_LEDGER, "meta")
+            self._meter = _LedgerMeter(ledger, label, self._phases)
         if self._phases is not None:
             self._phases.start()
         self._meter.start(self.report)
