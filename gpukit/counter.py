@@ -57,6 +57,11 @@ class Tally:
         self.phase = None  # a callable naming the phase of training (forward, backward, optimizer)
 
 
+def _dispatches(cls: type) -> bool:
+    """Whether a tensor subclass has a ``__torch_dispatch__`` of its own (``nn.Parameter`` and the like do not)."""
+    return getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
+
+
 class _CountingMode(TorchDispatchMode):
     """Sees every op in a measured block and hands its output tensors to the ledger."""
 
@@ -66,7 +71,7 @@ class _CountingMode(TorchDispatchMode):
         self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and any(t not in self.own_types for t in types):
+        if types and any(t not in self.own_types and _dispatches(t) for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
                 return func(*args, **(kwargs or {}))  # fake tensors hold no memory to count here
             # Another tensor subclass (DTensor...): let it unwrap itself; the ops

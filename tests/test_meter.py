@@ -44,6 +44,19 @@ def test_views_and_in_place_ops_add_nothing():
     del v, w
 
 
+def test_parameter_data_inside_a_block_works_and_adds_nothing():
+    # nn.Parameter is a tensor subclass without a __torch_dispatch__ of its own: the meter
+    # must treat it as a plain tensor (old-style updates such as p.data.mul_() are common).
+    layer = torch.nn.Linear(100, 100)
+    with gpukit.measure() as r:
+        weight = layer.weight.data
+        weight.mul_(0.5)
+        with torch.no_grad():
+            layer.bias.data.zero_()
+    assert (r.peak, r.delta) == (0, 0)
+    assert weight.data_ptr() == layer.weight.data_ptr()
+
+
 def test_a_storage_is_freed_when_its_last_view_dies():
     with gpukit.measure() as r:
         x = torch.empty(1000, 1000)
