@@ -1,0 +1,164 @@
+"""Several ranks under torchrun: results come back, a failing rank or a hung run ends cleanly."""
+
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpukit import dataparallel
+from gpukit.distributed import RankFailed, alive, choose_backend, launch, publish, torchrun_command
+from gpukit.parallel import fsdp_shard_bytes, make_model, model_state_formulas
+
+
+def rank_script(tmp_path: Path, body: str) -> Path:
+    """A script whose ranks write their pid into tmp_path (so the test can look for leftovers), then run ``body``."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from pathlib import Path
+        import torch, torch.distributed as dist
+        from gpukit.distributed import publish, publish_tensors, run_rank
+
+        def main(ctx):
+            Path(sys.argv[1], f"pid{ctx.rank}").write_text(str(os.getpid()))
+        """) + textwrap.indent(textwrap.dedent(body), "    ") + "\nrun_rank(main)\n")
+    return script
+
+
+def processes_running(script: Path) -> list[int]:
+    """Live processes whose command line mentions ``script``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(script).encode() in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_each_rank_publishes_records_and_tensors(tmp_path):
+    script = rank_script(tmp_path, """
+        total = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(total)
+        publish({"sum": total.item(), "backend": ctx.backend, "world": ctx.world_size})
+        publish({"second": True})
+        publish_tensors("mine", {"r": torch.full((2,), float(ctx.rank))})
+        """)
+    results = launch(script, tmp_path, nproc=2, timeout=120)
+    frame = results.frame()
+    assert sorted(frame["rank"]) == [0, 0, 1, 1]
+    sums = frame.dropna(subset=["sum"])
+    assert list(sums["sum"]) == [3.0, 3.0] and set(sums["backend"]) == {"gloo"} and set(sums["world"]) == {2}
+    assert len(results.frame(second=True)) == 2
+    assert torch.equal(results.tensors[1, "mine"]["r"], torch.ones(2))
+    assert torch.equal(results.tensors[0, "mine"]["r"], torch.zeros(2))
+    assert results.seconds > 0
+    assert processes_running(script) == []
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_traceback_and_leaves_no_process(tmp_path):
+    script = rank_script(tmp_path, """
+        if ctx.rank == 1:
+            time.sleep(1)
+            raise ValueError("rank one broke on purpose")
+        dist.barrier()          # rank 0 would wait here for ever
+        time.sleep(600)
+        """)
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        launch(script, tmp_path, nproc=2, timeout=120)
+    assert failure.value.rank == 1
+    assert "ValueError: rank one broke on purpose" in str(failure.value)
+    assert time.monotonic() - start < 100
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids)
+    assert processes_running(script) == []
+
+
+def test_a_run_past_its_time_limit_is_stopped_and_leaves_no_process(tmp_path):
+    script = rank_script(tmp_path, """
+        time.sleep(600)
+        """)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="ran past 20 s"):
+        launch(script, tmp_path, nproc=2, timeout=20)
+    assert time.monotonic() - start < 20 + 45
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids)
+    assert processes_running(script) == []
+
+
+def test_the_command_is_torchrun_on_127_0_0_1():
+    cmd = torchrun_command("gpukit.parallel", ["ddp", 3], nproc=4, port=12345)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=4" in cmd and "--master-addr=127.0.0.1" in cmd and "--master-port=12345" in cmd
+    assert cmd[-4:] == ["-m", "gpukit.parallel", "ddp", "3"]
+    assert torchrun_command("/x/ranks.py", nproc=1)[-1] == "/x/ranks.py"
+    with pytest.raises(ValueError, match="at least 1"):
+        torchrun_command("gpukit.parallel", nproc=0)
+
+
+def test_cpu_uses_gloo():
+    if torch.cuda.is_available():
+        assert choose_backend(torch.cuda.device_count())[0] == "nccl"
+        assert choose_backend(torch.cuda.device_count() + 1)[0] == "gloo"
+    else:
+        assert choose_backend(2) == ("gloo", torch.device("cpu"))
+
+
+def test_publishing_outside_a_launch_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("GPUKIT_RANK_RESULTS", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="launch"):
+        publish({"x": 1})
+
+
+def test_formulas_give_the_zero_papers_figure_1():
+    # Rajbhandari et al., "ZeRO" (2020), Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam
+    # (2 + 2 + 12 bytes per parameter): 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per GPU.
+    rows = model_state_formulas(7_500_000_000, 64, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    assert [round(r["total"] / 1e9, 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
+    one = model_state_formulas(1000, 1)
+    assert len({r["total"] for r in one}) == 1  # one rank: sharding changes nothing
+
+
+def test_fsdp_shard_bounds_bracket_an_even_split():
+    model = make_model(width=100, depth=2)  # 100 rows per layer: 3 ranks cannot split them evenly
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    least, most = fsdp_shard_bytes(model, 3)
+    assert least == total // 3
+    assert least < most <= least + sum(p[0].numel() * 4 + 512 for p in model.parameters())
+
+
+def test_even_shares_are_torch_chunk_sizes():
+    for batch, n in [(1024, 2), (10, 3), (7, 4), (3, 4)]:
+        chunks = [len(c) for c in torch.arange(batch).chunk(n)]
+        assert dataparallel.even_shares(batch, n)[:len(chunks)] == chunks
+        assert sum(dataparallel.even_shares(batch, n)) == batch
+
+
+def test_dataparallel_device_0_holds_more_and_balancing_evens_it_out():
+    from gpukit.data import digits_batch
+
+    x, y = digits_batch(256)
+    make = lambda: make_model(width=128, depth=2)  # noqa: E731
+    even = dataparallel.accounting(make, x, y, [128, 128])
+    for row in even:
+        assert row["total"] == sum(row[r] for r in dataparallel.ROLES)
+    zero, one = even
+    assert zero["parameters"] == one["parameters"] > 0
+    n_tensors = len(list(make().parameters()))
+    # Adam: two values per parameter, and a one-number step count per tensor (512 bytes each)
+    assert zero["optimizer_state"] == 2 * zero["parameters"] + 512 * n_tensors
+    assert one["optimizer_state"] == one["gathered_outputs"] == 0
+    assert zero["total"] - one["total"] >= zero["optimizer_state"]
+    shares, balanced = dataparallel.balanced_shares(make, x, y, 2)
+    assert shares[0] < 128 and sum(shares) == 256
+    assert max(r["total"] for r in balanced) < zero["total"]
+    with pytest.raises(ValueError, match="add up"):
+        dataparallel.accounting(make, x, y, [100, 100])
