@@ -3,11 +3,13 @@
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.parallel ddp fsdp     # or, in Python:
     gpukit.distributed.launch("gpukit.parallel", "ddp", "fsdp", nproc=2).frame()
 
-Each experiment builds the same MLP on every rank (same seed), trains one step on the
-rank's share of one global batch of digits (``DistributedSampler``), measures the step
-with ``gpukit.measure`` in that rank's process, and publishes one record per rank:
-bytes of parameters, gradients and optimizer state held by the rank (its local shards
-for FSDP), what else the wrapper keeps, the state it holds in all, and the step's peak.
+Each experiment builds the same MLP on every rank (same seed), trains two steps on the
+rank's share of one global batch of digits (``DistributedSampler``), measures it all and
+the second step (the steady state: the optimizer state exists) with ``gpukit.measure``
+in that rank's process, and publishes one record per rank:
+bytes of parameters, gradients and optimizer state held by the rank on its device (its
+local shards for FSDP), what else the wrapper keeps there, the state it holds in all,
+what it keeps in host memory instead (CPU offload on a GPU), and the step's peak.
 
 Experiments:
     ddp              DistributedDataParallel (gradients in buckets of their own: the default)
@@ -76,27 +78,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (local shards for DTensors), rounded like the allocator."""
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set, device: torch.device | None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards for DTensors) on ``device``
+    (any device when None), rounded like the allocator."""
     total = 0
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        local = _local(t)
+        if device is not None and local.device != device:
+            continue
+        storage = local.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += round_up(storage.nbytes())
     return total
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (shared storages counted once)."""
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device | None = None) -> dict[str, int]:
+    """Bytes this rank holds on ``device`` (default: anywhere) for parameters, gradients and optimizer
+    state; storages shared by several tensors (gradient buckets...) are counted once."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the rank's shard in .optim
     seen: set = set()
     params = list(model.parameters())
     return {
-        "parameters": _storage_bytes(params, seen),
-        "gradients": _storage_bytes([p.grad for p in params if p.grad is not None], seen),
+        "parameters": _storage_bytes(params, seen, device),
+        "gradients": _storage_bytes([p.grad for p in params if p.grad is not None], seen, device),
         "optimizer_state": _storage_bytes([v for s in inner.state.values() for v in s.values()
-                                           if torch.is_tensor(v)], seen),
+                                           if torch.is_tensor(v)], seen, device),
     }
 
 
@@ -153,13 +161,14 @@ def run_experiment(name: str, ctx: RankContext, batch: int = 1024, width: int = 
         with gpukit.measure(ctx.device, record=False) as step:  # a step in the steady state
             train_step()
         seconds = time.perf_counter() - start
-    held = state_bytes(model, optimizer)
+    held = state_bytes(model, optimizer, ctx.device)  # what the measured device holds
+    elsewhere = sum(state_bytes(model, optimizer).values()) - sum(held.values())  # offloaded to the host
     checksum = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).double().sum())
                    for p in model.parameters())
     where = _local(next(model.parameters())).device
     record = {"experiment": name, "world_size": ctx.world_size, "backend": ctx.backend,
               "device": str(ctx.device), "state_device": str(where), "samples": len(x),
-              **held, "other": whole.delta - sum(held.values()), "state": whole.delta, "step_peak": step.peak,
+              **held, "other": whole.delta - sum(held.values()), "state": whole.delta, "offloaded": elsewhere, "step_peak": step.peak,
               "peak": whole.peak, "loss": first_loss, "checksum": checksum, "seconds": seconds}
     publish(record)
     del model, optimizer
