@@ -138,6 +138,9 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
                 _stop(proc, out)
                 raise TimeoutError(f"the ranks of {target} ran past {timeout:g} s and were stopped; "
                                    f"last output:\n{_tail(log_path)}") from None
+            except BaseException:  # an interrupted kernel, say: stop the run too
+                _stop(proc, out)
+                raise
             finally:
                 _kill_ranks(out)  # ranks run in sessions of their own: make sure none outlives the run
         if code != 0:

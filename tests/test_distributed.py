@@ -162,3 +162,27 @@ def test_dataparallel_device_0_holds_more_and_balancing_evens_it_out():
     assert max(r["total"] for r in balanced) < zero["total"]
     with pytest.raises(ValueError, match="add up"):
         dataparallel.accounting(make, x, y, [100, 100])
+
+
+def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
+    import subprocess
+
+    script = rank_script(tmp_path, """
+        time.sleep(600)
+        """)
+    real_wait = subprocess.Popen.wait
+
+    def interrupted_wait(self, timeout=None):
+        if timeout is not None and timeout > 100:  # launch's own wait: interrupt it once the ranks are up
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        launch(script, tmp_path, nproc=2, timeout=300)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids)
+    assert processes_running(script) == []
