@@ -5,8 +5,12 @@
     python3 kit.py bench techniques --record   also keep the technique matrix as data/runs/<machine>.csv
     python3 kit.py bench --readme              only rewrite README.md's results section (and docs/results.png)
                                                from bench/out/ and data/runs/; after NAMEs: run them first
-    python3 kit.py bench --threads 1           torch's intra-op threads (default: one per core), here and in
-                                               the notebooks' kernels; each CSV records them
+    python3 kit.py bench --threads 0           torch's intra-op threads, here and in the notebooks' kernels
+                                               (default 1; 0: torch's own default, one per core); CSVs record them
+
+One thread by default: the figures then hold on a machine shared with other work, where threads that wait
+for each other made small steps several times slower (on two shared cores, notebook 06 took 100 s with two
+threads and 43 s with one). Ratios (overhead, peak over baseline) do not depend on it; absolute times do.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ def write_summary(lines: list[str], seconds: float) -> str:
 
     m = machine()
     device = m["device_name"] if m["device_type"] == "cuda" else "no GPU"
-    head = (f"gpukit benchmarks, {m['date']}: {m['cpu']} ({m['cores']} cores), {device}, torch {m['torch']}; "
+    head = (f"gpukit benchmarks, {m['date']}: {m['cpu']} ({m['cores']} cores, torch on {m['threads']} of them), "
+            f"{device}, torch {m['torch']}; "
             f"total {seconds:.0f} s ({seconds / 60:.1f} min)")
     text = "\n".join([head, *lines]) + "\n"
     OUT.mkdir(exist_ok=True)
@@ -41,7 +46,8 @@ def main(args: list[str]) -> int:
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run, of {BENCHMARKS} (default: all)")
     parser.add_argument("--record", action="store_true", help="keep the technique matrix in data/runs/")
     parser.add_argument("--readme", action="store_true", help="rewrite README.md's results section")
-    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: one per core)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1; 0: torch's default, one per core)")
     opts = parser.parse_args(args)
     names, record, readme = opts.names, opts.record, opts.readme
     unknown = [n for n in names if n not in BENCHMARKS]
