@@ -71,7 +71,8 @@ def summary(rows: list[dict]) -> list[str]:
     worst = max(rows, key=lambda r: abs(r["error_pct"]))
     rule = [r["rule_error_pct"] for r in rows]
     return [f"estimate accuracy: exact prediction within {abs(worst['error_pct']):.3f}% of the measured peak on "
-            f"{len(rows)} setups (largest: {worst['setup']}); rule of thumb off by {min(rule):+.1f}% to {max(rule):+.1f}%"]
+            f"{len(rows)} setups (largest: {worst['setup']}); "
+            f"rule of thumb off by {min(rule):+.1f}% to {max(rule):+.1f}%"]
 
 
 if __name__ == "__main__":

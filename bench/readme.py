@@ -55,8 +55,19 @@ def matrix_table(rows: list[dict]) -> list[str]:
         batch = r["batch"] if r["micro_batch"] == r["batch"] else f"{r['batch']} ({r['micro_batch']})"
         ratio = f"{float(r['peak_vs_baseline']):.2f}x" if r["peak_vs_baseline"] else "-"
         note = "" if r["status"] == "ok" else r["status"]
-        lines.append(f"| {r['model']} | {r['technique']} | {batch} | {mib(r['peak_bytes'])} | {ratio} | "
-                     f"{r['step_ms'] or '-'} | {r['samples_per_s'] or '-'} | {note} |")
+        ms = f"{float(r['step_ms']):,.1f}" if r["step_ms"] else "-"
+        rate = f"{float(r['samples_per_s']):,.0f}" if r["samples_per_s"] else "-"
+        lines.append(f"| {r['model']} | {r['technique']} | {batch} | {mib(r['peak_bytes'])} | {ratio} | {ms} | "
+                     f"{rate} | {note} |")
+    return lines
+
+
+def overhead_table(rows: list[dict]) -> list[str]:
+    lines = ["| model | batch | device | plain step ms | with `measure()` | as `%%gpumem` cell | empty dispatch mode |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['batch']} | {r['device']} | {float(r['plain_ms']):,.2f} | "
+              + " | ".join(f"{float(r[k]):.2f}x" for k in ("measure_ratio", "gpumem_ratio", "empty_mode_ratio")) + " |"
+              for r in rows]
     return lines
 
 
@@ -83,7 +94,7 @@ def plot(matrices: dict[str, list[dict]], path: Path = PLOT) -> Path:
             r["peak_vs_baseline"] = float(r["peak_vs_baseline"]) if r["peak_vs_baseline"] else None
     fig = technique_panels(matrices)
     path.parent.mkdir(exist_ok=True)
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -104,10 +115,19 @@ def section() -> str:
              f"**Exactness**: the meter's peak of a steady-state training step against an independent measurement "
              f"of the next, identical step (0.1% is the promise).", "",
              *exactness_table(read_rows("exactness.csv")), "",
+             "**Meter overhead**: median time of a training step inside `measure()` and as a `%%gpumem -q` cell, "
+             "over the plain step's (the empty dispatch mode is the floor any dispatch-mode counter pays).", "",
+             *overhead_table(read_rows("meter_overhead.csv")), "",
              f"**Technique matrix on this {where}**: peak of a steady-state training step with the model's state "
              "included (parameters, gradients, AdamW state, batch), median step time, samples per second; "
-             "the techniques are plain PyTorch in `gpukit/techniques.py`.", "",
+             "the techniques are plain PyTorch in `gpukit/techniques.py`. Times are this machine's, on the "
+             "threads the summary names: a processor without float16 arithmetic emulates it, which makes AMP "
+             "fp16 and `half()` slow on a CPU where a GPU runs them fastest.", "",
              *matrix_table(techniques), ""]
+    if (OUT / "notebooks.csv").exists():
+        times = ", ".join(f"`{r['notebook']}` {float(r['seconds']):.0f} s{'' if r['passed'] == 'True' else ' FAILED'}"
+                          for r in read_rows("notebooks.csv"))
+        lines += [f"**Notebooks under nbval** (wall time, kernel start included): {times}.", ""]
     if gpu_runs:
         for name, rows in gpu_runs.items():
             lines += [f"**Recorded run `data/runs/{name}`**: {machine_line(rows[0])}.", "", *matrix_table(rows), ""]
