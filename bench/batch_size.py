@@ -48,5 +48,13 @@ def main() -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> list[str]:
+    steps = {}
+    for r in rows:
+        steps.setdefault(r["strategy"], []).append(r["real steps"])
+    return ["batch size finders, real trial steps per setup: "
+            + "; ".join(f"{name} {'/'.join(map(str, n))}" for name, n in steps.items())]
+
+
 if __name__ == "__main__":
     main()

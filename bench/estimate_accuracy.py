@@ -34,7 +34,7 @@ LARGE = {  # name: (make_model, make_optimizer, make_batch)
 }
 
 
-def main() -> None:
+def main() -> list[dict]:
     rows = []
     print(f"{'setup':<20}{'measured B':>14}{'predicted B':>14}{'error %':>9}{'rule B':>14}{'rule %':>8}"
           f"{'predict s':>10}")
@@ -64,6 +64,15 @@ def main() -> None:
         print(f"{name:<40} {pred.parameters:>15,} parameters  peak {pred.peak / 2**30:8.2f} GiB"
               f"  predicted in {seconds:.1f} s", flush=True)
     write_csv("estimate_large.csv", large)
+    return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    worst = max(rows, key=lambda r: abs(r["error_pct"]))
+    rule = [r["rule_error_pct"] for r in rows]
+    return [f"estimate accuracy: exact prediction within {abs(worst['error_pct']):.3f}% of the measured peak on "
+            f"{len(rows)} setups (largest: {worst['setup']}); "
+            f"rule of thumb off by {min(rule):+.1f}% to {max(rule):+.1f}%"]
 
 
 if __name__ == "__main__":

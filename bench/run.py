@@ -1,23 +1,80 @@
-"""Run gpukit's benchmarks: `python3 kit.py bench [NAME ...]` (default: all). CSVs go to bench/out/."""
+"""Run gpukit's benchmarks: `python3 kit.py bench [NAME ...] [--record] [--readme] [--threads N]`.
+
+    python3 kit.py bench                       every benchmark: bench/out/NAME.csv each, then bench/out/summary.txt
+    python3 kit.py bench exactness techniques  only those
+    python3 kit.py bench techniques --record   also keep the technique matrix as data/runs/<machine>.csv
+    python3 kit.py bench --readme              only rewrite README.md's results section (and docs/results.png)
+                                               from bench/out/ and data/runs/; after NAMEs: run them first
+    python3 kit.py bench --threads 0           torch's intra-op threads, here and in the notebooks' kernels
+                                               (default 1; 0: torch's own default, one per core); CSVs record them
+
+One thread by default: the figures then hold on a machine shared with other work, where threads that wait
+for each other made small steps several times slower (on two shared cores, notebook 06 took 100 s with two
+threads and 43 s with one). Ratios (overhead, peak over baseline) do not depend on it; absolute times do.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-BENCHMARKS = ["meter_overhead", "estimate_accuracy", "batch_size"]
+BENCHMARKS = ["meter_overhead", "exactness", "estimate_accuracy", "batch_size", "techniques", "notebooks"]
 
 
-def main(names: list[str]) -> int:
+def write_summary(lines: list[str], seconds: float) -> str:
+    """The short text summary of a run, printed and kept as bench/out/summary.txt."""
+    from results import OUT, machine
+
+    m = machine()
+    device = m["device_name"] if m["device_type"] == "cuda" else "no GPU"
+    head = (f"gpukit benchmarks, {m['date']}: {m['cpu']} ({m['cores']} cores, torch on {m['threads']} of them), "
+            f"{device}, torch {m['torch']}; "
+            f"total {seconds:.0f} s ({seconds / 60:.1f} min)")
+    text = "\n".join([head, *lines]) + "\n"
+    OUT.mkdir(exist_ok=True)
+    (OUT / "summary.txt").write_text(text)
+    return text
+
+
+def main(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python3 kit.py bench", description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run, of {BENCHMARKS} (default: all)")
+    parser.add_argument("--record", action="store_true", help="keep the technique matrix in data/runs/")
+    parser.add_argument("--readme", action="store_true", help="rewrite README.md's results section")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1; 0: torch's default, one per core)")
+    opts = parser.parse_args(args)
+    names, record, readme = opts.names, opts.record, opts.readme
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        print(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}", file=sys.stderr)
-        return 2
-    for name in names or BENCHMARKS:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+    if record and names and "techniques" not in names:
+        parser.error("--record keeps the technique matrix: run it with `techniques`")
+    if opts.threads:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # for the notebooks' kernels
+    if not names:
+        names = ["techniques"] if record else [] if readme else BENCHMARKS
+    t0 = time.perf_counter()
+    lines = []
+    for name in names:
         print(f"== {name}", flush=True)
-        importlib.import_module(name).main()
+        module = importlib.import_module(name)
+        rows = module.main(record=record) if name == "techniques" else module.main()
+        lines += module.summary(rows)
+    if names:
+        print(f"== summary\n{write_summary(lines, time.perf_counter() - t0)}", end="", flush=True)
+    if readme:
+        import readme as results_section
+
+        print(f"== readme: rewrote {results_section.main()}", flush=True)
     return 0
 
 

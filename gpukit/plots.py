@@ -92,3 +92,57 @@ def role_bars(reports=None, at: str = "end", ax=None):
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelrotation=15)
     return ax
+
+
+def technique_bars(matrix, value: str = "peak_bytes", ax=None, title: str | None = None):
+    """Grouped horizontal bars of a technique matrix (``gpukit.techniques.run_matrix``, or one machine's rows
+    of ``gpukit.runs.load_runs()``): one group per technique, one bar per model.
+
+    Args:
+        matrix: a list of row dicts or a DataFrame with ``model``, ``technique`` and ``value`` columns.
+        value: ``'peak_bytes'`` (drawn in MiB or GiB) or ``'peak_vs_baseline'`` (a ratio, 1 marked).
+
+    Raises:
+        ValueError: for another ``value``, or a matrix without a single figure to draw.
+    """
+    if value not in ("peak_bytes", "peak_vs_baseline"):
+        raise ValueError(f"value must be 'peak_bytes' or 'peak_vs_baseline', not {value!r}")
+    rows = matrix if isinstance(matrix, list) else matrix.to_dict("records")
+    rows = [r for r in rows if r.get(value) not in (None, "") and r[value] == r[value]]  # drop empty and NaN
+    if not rows:
+        raise ValueError(f"no row has a {value}: nothing to draw")
+    techniques = list(dict.fromkeys(r["technique"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.3 + 0.22 * len(techniques) * len(models)))
+    unit, size = _unit(max(float(r[value]) for r in rows)) if value == "peak_bytes" else ("x baseline", 1)
+    height = 0.8 / len(models)
+    for m, model in enumerate(models):
+        found = {r["technique"]: float(r[value]) / size for r in rows if r["model"] == model}
+        ys = [t + m * height for t, name in enumerate(techniques) if name in found]
+        ax.barh(ys, [found[name] for name in techniques if name in found], height=height, label=model)
+    if value == "peak_vs_baseline":
+        ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks([t + 0.4 - height / 2 for t in range(len(techniques))], techniques, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"peak of a training step ({unit})" if value == "peak_bytes"
+                  else "peak of a training step / the baseline's (same model and device)")
+    ax.set_title(title or "Peak memory by technique")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def technique_panels(matrices: dict):
+    """One row of two panels per machine: its peaks in MiB/GiB, and its peaks over the baseline's
+    (comparable across machines whose models are sized differently). ``matrices``: {title: matrix}.
+
+    Returns:
+        The Figure.
+    """
+    fig, axes = plt.subplots(len(matrices), 2, figsize=(13, 0.8 + 4.4 * len(matrices)), squeeze=False)
+    for (name, matrix), (left, right) in zip(matrices.items(), axes):
+        technique_bars(matrix, "peak_bytes", ax=left, title=f"{name}: peak of a training step")
+        technique_bars(matrix, "peak_vs_baseline", ax=right, title=f"{name}: relative to the baseline")
+        right.set_yticklabels([])
+    fig.tight_layout()
+    return fig

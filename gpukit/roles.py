@@ -15,7 +15,7 @@ step count per tensor).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -93,3 +93,24 @@ class RoleTracker:
     @property
     def end(self) -> dict[str, int]:
         return self._end
+
+
+def memtracker_peak(run: Callable[[], Any], *existing: Any, device: str | torch.device = "cpu") -> int:
+    """The peak bytes of ``run()`` above its start, measured by PyTorch's ``MemTracker`` alone.
+
+    An independent check of gpukit's counter: MemTracker is PyTorch's own tool, with its own
+    dispatch mode and its own bookkeeping of storages. Sizes are as requested (not rounded).
+
+    Args:
+        run: the code to measure (one training step, say).
+        existing: modules, optimizers and tensors that exist before ``run``, so that their
+            frees inside it count (the model, its optimizer, the batch).
+        device: whose memory to read.
+    """
+    tracker = MemTracker()
+    tracker.track_external(*existing)
+    dev = torch.device(device)
+    start = tracker.get_tracker_snapshot()[dev]["Total"]
+    with tracker:
+        run()
+    return tracker.get_tracker_snapshot("peak")[dev]["Total"] - start

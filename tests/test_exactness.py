@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import gpukit
 from conftest import train_step
 from gpukit.models import MLP, ConvNet
+from gpukit.roles import memtracker_peak
 
 MODELS = {"mlp": lambda: MLP(width=256, depth=2), "deep-mlp": lambda: MLP(width=128, depth=6),
           "convnet": lambda: ConvNet(channels=16)}
@@ -16,16 +16,6 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p),
     "adam-foreach": lambda p: torch.optim.Adam(p, foreach=True),
 }
-
-
-def memtracker_peak(model, optimizer, x, y, checkpoint):
-    """Peak of one step above its start, by MemTracker with model, optimizer and batch tracked as pre-existing."""
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, x, y)
-    start = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
-    with tracker:
-        train_step(model, optimizer, x, y, checkpoint)
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - start
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
@@ -41,7 +31,7 @@ def test_step_peak_agrees_with_memtracker_within_0_1_percent(digits, model_name,
 
     with gpukit.measure(record=False) as report:
         train_step(model, optimizer, x, y, checkpoint)
-    reference = memtracker_peak(model, optimizer, x, y, checkpoint)
+    reference = memtracker_peak(lambda: train_step(model, optimizer, x, y, checkpoint), model, optimizer, x, y)
 
     assert reference > 0
     assert abs(report.peak_unrounded - reference) <= 0.001 * reference

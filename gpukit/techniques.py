@@ -1,0 +1,260 @@
+"""The technique matrix: a training step of each reference model, plain and with each memory technique.
+
+    from gpukit.techniques import run_matrix
+    rows = run_matrix()      # on the GPU if there is one, else the CPU: one dict per (model, technique)
+
+Each technique is PyTorch's own mechanism, written out in ``train_step`` (notebooks 02-06
+teach them one at a time): autocast to float16 with a GradScaler, autocast to bfloat16,
+gradient accumulation over k micro-batches, ``torch.utils.checkpoint``, ``model.half()``
+with BatchNorm put back to float32, and saved activations sent to the host with
+``save_on_cpu``. Each row has the peak memory of a steady-state step with the model's
+state included, the step time (median of several steps) and samples per second: the
+columns of the well-known single-GPU technique tables.
+
+On a CPU the host and the device are one memory, so offloading to the host saves nothing
+there: that row is measured on a simulated GPU instead (fake tensors on ``meta``, counted
+as the CUDA allocator would count them), against a baseline simulated the same way, and
+has no time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from .data import digit_tokens_batch, digits_batch
+from .meter import device_name, measure, resolve_device
+from .models import MLP, ConvNet, GPTConfig, TinyGPT
+
+
+@dataclass(frozen=True)
+class Technique:
+    """What a training step does differently from the plain float32 one."""
+
+    name: str
+    amp: torch.dtype | None = None   # autocast to this type (float16 also scales the loss with a GradScaler)
+    accumulate: int = 1              # micro-batches per optimizer step
+    checkpointed: bool = False       # keep segment boundaries only; recompute the rest in backward
+    half: bool = False               # model.half(), BatchNorm back in float32
+    offload: bool = False            # tensors saved for backward go to the host (save_on_cpu)
+
+
+BASELINE = Technique("baseline")
+TECHNIQUES = [
+    BASELINE,
+    Technique("AMP fp16", amp=torch.float16),
+    Technique("AMP bf16", amp=torch.bfloat16),
+    Technique("accumulation k=4", accumulate=4),
+    Technique("checkpointing", checkpointed=True),
+    Technique("half, BatchNorm float32", half=True),
+    Technique("offload saved activations", offload=True),
+    Technique("AMP bf16 + checkpointing", amp=torch.bfloat16, checkpointed=True),
+    Technique("accumulation k=4 + checkpointing", accumulate=4, checkpointed=True),
+    Technique("AMP fp16 + accumulation k=4 + checkpointing", amp=torch.float16, accumulate=4, checkpointed=True),
+]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A reference model with its batch: ``make_batch(batch)`` gives ``(inputs, targets)``."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    batch: int
+
+
+# (MLP width, depth, batch), (ConvNet channels, batch), (TinyGPT layers, heads, embedding, batch)
+SIZES = {
+    # big enough that the effects show in GiB; the baseline fits a 16 GB GPU
+    "cuda": ((4096, 8, 8192), (128, 4096), (12, 12, 768, 64)),
+    # float16 arithmetic is emulated on most CPUs (tens of times slower than float32): a float16 step
+    # of these takes under a second on two cores. Batch > width: activations outweigh the weights.
+    "cpu": ((256, 8, 1024), (16, 256), (4, 4, 64, 32)),
+    "small": ((64, 8, 256), (4, 64), (2, 2, 32, 8)),   # for notebooks and tests: a few ms a step
+}
+
+
+def reference_setups(size: str = "cpu") -> list[Setup]:
+    """The three reference models on the digits data: a deep MLP, a ConvNet with BatchNorm, a tiny GPT.
+
+    Args:
+        size: ``'cuda'``, ``'cpu'`` or ``'small'`` (``SIZES``).
+    """
+    (width, depth, mlp_batch), (channels, conv_batch), (layers, heads, embd, gpt_batch) = SIZES[size]
+    gpt = GPTConfig(n_layer=layers, n_head=heads, n_embd=embd)
+    return [Setup(f"deep mlp {width}x{depth}", lambda: MLP(width=width, depth=depth), digits_batch, mlp_batch),
+            Setup(f"convnet {channels} (BatchNorm)", lambda: ConvNet(channels), digits_batch, conv_batch),
+            Setup(f"tinygpt {layers}x{embd}", lambda: TinyGPT(gpt), digit_tokens_batch, gpt_batch)]
+
+
+def forward(model: nn.Module, x: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
+    """The model's forward pass; ``checkpointed``: save only the inputs of segments, recompute the rest."""
+    if not checkpointed:
+        return model(x)
+    if isinstance(model, TinyGPT):  # one segment per transformer block, as language models do it
+        h = model.tok(x) + model.pos(torch.arange(x.shape[1], device=x.device))
+        for block in model.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return model.head(model.ln_f(h))
+    layers = model.features if isinstance(model, ConvNet) else model.net
+    segments = max(1, round(math.sqrt(len(layers))))  # sqrt(n) segments of sqrt(n) layers
+    out = checkpoint_sequential(layers, segments, x, use_reentrant=False)
+    return model.head(out.flatten(1)) if isinstance(model, ConvNet) else out
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               x: torch.Tensor, y: torch.Tensor, technique: Technique = BASELINE) -> None:
+    """One optimizer step on the batch ``(x, y)``, with the technique's mechanisms."""
+    t = technique
+    optimizer.zero_grad(set_to_none=True)
+    for xs, ys in zip(x.chunk(t.accumulate), y.chunk(t.accumulate)):
+        amp = torch.autocast(xs.device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=xs.is_cuda) if t.offload
+                   else contextlib.nullcontext())
+        with amp, offload:
+            out = forward(model, xs, t.checkpointed)
+            loss = F.cross_entropy(out.float().flatten(0, -2), ys.flatten()) / t.accumulate
+        scaler.scale(loss).backward()  # a disabled scaler (all but float16) passes the loss through
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def build(setup: Setup, technique: Technique, device: torch.device):
+    """The model, AdamW, a GradScaler and the batch on ``device``, as the technique wants them."""
+    torch.manual_seed(0)
+    with device:  # made where it runs, not made on the CPU and moved
+        model = setup.make_model()
+    if technique.half:
+        model.half()
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.float()  # running statistics overflow float16 (notebook 05)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = (t.to(device) for t in setup.make_batch(setup.batch))
+    if technique.half and x.is_floating_point():
+        x = x.half()
+    scaler = torch.amp.GradScaler(device.type, enabled=technique.amp is torch.float16)
+    return model, optimizer, scaler, x, y
+
+
+def unsupported(technique: Technique, device: torch.device) -> str | None:
+    """Why the technique cannot run on this device, or None."""
+    if technique.amp is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return f"not run: {torch.cuda.get_device_name(device)} has no bfloat16"
+    if technique.amp is not None and device.type == "meta":
+        return "not run: autocast has no meta device"
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_step_seconds(step: Callable[[], None], device: torch.device, steps: int = 5,
+                        max_seconds: float = 2.0) -> tuple[float, int]:
+    """The median time of ``steps`` calls of ``step`` (at least two, fewer than ``steps`` when they take
+    longer than ``max_seconds`` in all); returns ``(seconds, steps timed)``."""
+    times: list[float] = []
+    deadline = time.perf_counter() + max_seconds
+    while len(times) < steps and (len(times) < 2 or time.perf_counter() < deadline):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times)
+
+
+def measure_technique(setup: Setup, technique: Technique, device: str | torch.device | None = None, *,
+                      steps: int = 5, max_seconds: float = 2.0) -> dict:
+    """One row of the matrix: peak bytes of a steady-state step (the model's state included), step time
+    and samples per second. ``steps=0`` measures memory only. On ``'meta'`` (a simulated GPU) the whole
+    run is on fake tensors: memory is counted, nothing is computed, and there is no time.
+
+    A technique the device cannot run gives a row whose ``status`` says why (and no figures).
+    """
+    dev = resolve_device(device)
+    simulated = dev.type == "meta"
+    row = {"model": setup.name, "technique": technique.name, "batch": setup.batch,
+           "micro_batch": setup.batch // technique.accumulate, "measured_on": device_name(dev),
+           "peak_bytes": None, "state_bytes": None, "step_ms": None, "samples_per_s": None, "timed_steps": 0,
+           "status": unsupported(technique, dev)}
+    if row["status"]:
+        return row
+    setup.make_batch(1)  # the first call loads the data set: not inside the measured block, nor fake
+    gc.collect()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) if simulated else contextlib.nullcontext():
+            with measure(dev, record=False) as state:
+                model, optimizer, scaler, x, y = build(setup, technique, dev)
+                train_step(model, optimizer, scaler, x, y, technique)  # warm-up: gradients and optimizer state
+            with measure(dev, record=False) as step:
+                train_step(model, optimizer, scaler, x, y, technique)
+            if steps and not simulated:
+                seconds, row["timed_steps"] = median_step_seconds(
+                    lambda: train_step(model, optimizer, scaler, x, y, technique), dev, steps, max_seconds)
+                row["step_ms"] = round(seconds * 1e3, 3)
+                row["samples_per_s"] = round(setup.batch / seconds, 1)
+    except (RuntimeError, NotImplementedError) as err:
+        return {**row, "status": f"failed on {dev.type}: {str(err).splitlines()[0][:120]}"}
+    row.update(peak_bytes=state.delta + step.peak, state_bytes=state.delta,
+               status="simulated GPU (meta): memory only, no time" if simulated else "ok")
+    return row
+
+
+def run_matrix(device: str | torch.device | None = None, setups: list[Setup] | None = None,
+               techniques: list[Technique] | None = None, *, steps: int = 5, max_seconds: float = 2.0,
+               echo: Callable[[str], None] | None = print) -> list[dict]:
+    """Every technique on every setup; each row also gets ``peak_vs_baseline`` (its peak over the baseline's,
+    measured on the same device).
+
+    Args:
+        device: where to run (default: the GPU if there is one, else the CPU). On a CPU, offloading
+            runs on a simulated GPU (``'meta'``), beside a baseline simulated the same way.
+        setups: default ``reference_setups`` sized for the device.
+        techniques: default ``TECHNIQUES``.
+        steps, max_seconds: how many steps to time for the median, and the time after which to stop early.
+        echo: where to print one line per row (None: silent).
+    """
+    dev = resolve_device(device)
+    rows = []
+    for setup in setups or reference_setups("cuda" if dev.type == "cuda" else "cpu"):
+        baseline: dict[str, dict] = {}
+        for technique in techniques or TECHNIQUES:
+            where = torch.device("meta") if technique.offload and dev.type == "cpu" else dev
+            row = measure_technique(setup, technique, where, steps=steps, max_seconds=max_seconds)
+            if where.type not in baseline:
+                baseline[where.type] = row if technique == BASELINE else measure_technique(setup, BASELINE, where,
+                                                                                           steps=0)
+            base = baseline[where.type]["peak_bytes"]
+            row["peak_vs_baseline"] = round(row["peak_bytes"] / base, 3) if row["peak_bytes"] and base else None
+            rows.append(row)
+            if echo:
+                echo(format_row(row))
+    return rows
+
+
+def format_row(row: dict) -> str:
+    """One line of text for a row of the matrix."""
+    mib = f"{row['peak_bytes'] / 2**20:9.2f} MiB" if row["peak_bytes"] is not None else f"{'-':>13}"
+    ms = f"{row['step_ms']:9.1f} ms {row['samples_per_s']:9.0f}/s" if row["step_ms"] is not None else f"{'-':>23}"
+    ratio = f"{row['peak_vs_baseline']:6.2f}x" if row.get("peak_vs_baseline") is not None else f"{'-':>7}"
+    status = "" if row["status"] == "ok" else f"  ({row['status']})"
+    return f"{row['model']:<24}{row['technique']:<45}{mib} {ratio} {ms}{status}"
+
+
+__all__ = ["Technique", "TECHNIQUES", "BASELINE", "Setup", "SIZES", "reference_setups", "forward", "train_step",
+           "build", "measure_technique", "run_matrix", "median_step_seconds", "format_row"]

@@ -1,0 +1,180 @@
+"""The benchmarks' machinery: the technique matrix, recorded runs in data/runs/, and the README's results section."""
+
+import importlib.util
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gpukit import plots  # noqa: E402
+from gpukit.data import digits_batch  # noqa: E402
+from gpukit.models import MLP  # noqa: E402
+from gpukit.runs import MACHINE_COLUMNS, load_runs, machine, read_run, slug, write_run  # noqa: E402
+from gpukit.techniques import (BASELINE, TECHNIQUES, Setup, Technique, measure_technique,  # noqa: E402
+                               run_matrix)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = Setup("tiny mlp 32x6", lambda: MLP(width=32, depth=6), digits_batch, 128)
+BY_NAME = {t.name: t for t in TECHNIQUES}
+ROW_KEYS = {"model", "technique", "batch", "micro_batch", "measured_on", "peak_bytes", "state_bytes", "step_ms",
+            "samples_per_s", "timed_steps", "status", "peak_vs_baseline"}
+
+
+def load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    """The whole matrix on the tiny setup, memory only (no timing)."""
+    rows = run_matrix("cpu", [TINY], steps=0, echo=None)
+    return {r["technique"]: r for r in rows}
+
+
+def test_every_technique_gives_a_row_with_every_column(matrix):
+    assert list(matrix) == [t.name for t in TECHNIQUES]
+    for row in matrix.values():
+        assert set(row) == ROW_KEYS
+        assert row["peak_bytes"] > row["state_bytes"] > 0
+        assert row["status"] in ("ok", "simulated GPU (meta): memory only, no time")
+
+
+@pytest.mark.parametrize("technique", ["accumulation k=4", "checkpointing", "AMP bf16", "half, BatchNorm float32",
+                                       "accumulation k=4 + checkpointing"])
+def test_each_technique_lowers_the_peak_of_an_activation_heavy_step(matrix, technique):
+    # batch 128 > width 32: the activations a step saves outweigh the weights
+    assert matrix[technique]["peak_bytes"] < matrix["baseline"]["peak_bytes"]
+    assert matrix[technique]["peak_vs_baseline"] == round(matrix[technique]["peak_bytes"]
+                                                          / matrix["baseline"]["peak_bytes"], 3)
+
+
+def test_accumulation_keeps_the_state_and_splits_the_batch(matrix):
+    row = matrix["accumulation k=4"]
+    assert row["micro_batch"] == TINY.batch // 4
+    assert row["state_bytes"] == matrix["baseline"]["state_bytes"]
+
+
+def test_half_halves_the_parameters_in_the_state(matrix):
+    model = MLP(width=32, depth=6)
+    params = sum(p.numel() for p in model.parameters())
+    # parameters, gradients and AdamW's two moments: four float32 copies become four float16 ones
+    saved = matrix["baseline"]["state_bytes"] - matrix["half, BatchNorm float32"]["state_bytes"]
+    assert saved >= 4 * params * 2 - 4 * len(list(model.parameters())) * 512  # less what rounding to 512 B keeps
+    assert saved <= 4 * params * 2 + TINY.batch * 64 * 2 + 512  # and the float16 copy of the images
+
+
+def test_offload_on_a_cpu_is_measured_on_the_simulated_gpu_against_a_simulated_baseline(matrix):
+    row = matrix["offload saved activations"]
+    assert row["measured_on"].startswith("meta")
+    assert row["step_ms"] is None and row["samples_per_s"] is None
+    simulated_baseline = measure_technique(TINY, BASELINE, "meta", steps=0)
+    assert row["peak_vs_baseline"] == round(row["peak_bytes"] / simulated_baseline["peak_bytes"], 3)
+    assert row["peak_vs_baseline"] < 1
+
+
+def test_a_timed_row_reports_the_median_and_samples_per_second():
+    row = measure_technique(TINY, BASELINE, "cpu", steps=3, max_seconds=30)
+    assert row["timed_steps"] == 3
+    assert row["samples_per_s"] == pytest.approx(TINY.batch / (row["step_ms"] / 1e3), rel=1e-3)
+
+
+def test_a_technique_the_device_cannot_run_gives_a_row_that_says_so():
+    row = measure_technique(TINY, BY_NAME["AMP bf16"], "meta", steps=0)
+    assert row["peak_bytes"] is None and row["status"].startswith("not run")
+
+
+def test_a_failing_technique_gives_a_row_with_the_error():
+    broken = Setup("broken", lambda: MLP(n_in=3), digits_batch, 8)  # the digits have 64 features, not 3
+    row = measure_technique(broken, BASELINE, "cpu", steps=0)
+    assert row["peak_bytes"] is None and row["status"].startswith("failed on cpu")
+
+
+# -- recorded runs -------------------------------------------------------------------------------
+
+
+def test_a_recorded_run_reads_back_with_its_machine(tmp_path, matrix):
+    info = {**machine("cpu"), "device_type": "cuda", "device_name": "Example GPU 80GB", "driver": "999.1"}
+    path = write_run(list(matrix.values()), info, folder=tmp_path)
+    assert path.name == "example-gpu-80gb.csv"
+    df = read_run(path)
+    assert set(MACHINE_COLUMNS) <= set(df.columns)
+    assert (df["device_name"] == "Example GPU 80GB").all() and (df["torch"] == torch.__version__).all()
+    assert df["peak_bytes"].tolist() == [r["peak_bytes"] for r in matrix.values()]
+    assert load_runs(tmp_path)["file"].unique().tolist() == ["example-gpu-80gb.csv"]
+
+
+def test_a_cpu_run_is_named_as_one():
+    assert slug(machine("cpu")).startswith("cpu-")
+
+
+@pytest.mark.parametrize("column", ["device_name", "torch"])
+def test_a_run_without_its_gpu_name_or_torch_version_is_refused(tmp_path, matrix, column):
+    path = write_run(list(matrix.values()), machine("cpu"), folder=tmp_path)
+    df = pd.read_csv(path)
+    df.drop(columns=[column]).to_csv(tmp_path / "missing.csv", index=False)
+    with pytest.raises(ValueError, match=column):
+        read_run(tmp_path / "missing.csv")
+    df.assign(**{column: ""}).to_csv(tmp_path / "empty.csv", index=False)
+    with pytest.raises(ValueError, match=column):
+        read_run(tmp_path / "empty.csv")
+    with pytest.raises(ValueError):
+        load_runs(tmp_path)
+
+
+def test_no_recorded_runs_is_an_empty_table(tmp_path):
+    runs = load_runs(tmp_path)
+    assert runs.empty and "device_name" in runs.columns
+
+
+def test_every_committed_run_names_its_machine():
+    load_runs()  # raises on a file in data/runs/ that does not
+
+
+# -- plots and the README ------------------------------------------------------------------------
+
+
+def test_the_bars_are_the_matrix_figures(matrix):
+    rows = [matrix[t] for t in ("baseline", "checkpointing", "AMP bf16")]
+    ax = plots.technique_bars(rows, "peak_vs_baseline")
+    assert sorted(round(p.get_width(), 3) for p in ax.patches) == sorted(r["peak_vs_baseline"] for r in rows)
+    ax = plots.technique_bars(rows, "peak_bytes")
+    assert "KiB" in ax.get_xlabel() or "MiB" in ax.get_xlabel()
+    with pytest.raises(ValueError):
+        plots.technique_bars([{**rows[0], "peak_bytes": None}], "peak_bytes")
+
+
+def test_the_readme_generator_replaces_only_its_section():
+    readme = load_bench("readme")
+    text = f"# title\nbefore\n{readme.START}\nold table\n{readme.END}\nafter\n"
+    new = readme.replace_section(text, "new table")
+    assert new == f"# title\nbefore\n{readme.START}\nnew table\n{readme.END}\nafter\n"
+    assert readme.replace_section(new, "new table") == new
+    for broken in ("no markers", f"{readme.END}\n{readme.START}", f"{readme.START}{readme.START}{readme.END}"):
+        with pytest.raises(ValueError):
+            readme.replace_section(broken, "x")
+
+
+def test_the_readme_has_its_results_section():
+    readme = load_bench("readme")
+    text = (ROOT / "README.md").read_text()
+    assert text.count(readme.START) == 1 and text.count(readme.END) == 1
+
+
+def test_recording_needs_the_technique_matrix():
+    run = load_bench("run")
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["exactness", "--record"])
+    assert exit_.value.code == 2
+
+
+def test_unknown_techniques_fields_are_not_accepted():
+    with pytest.raises(TypeError):
+        Technique("x", accumulation=4)
