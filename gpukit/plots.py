@@ -89,7 +89,7 @@ def role_bars(reports=None, at: str = "end", ax=None):
             bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_ylabel(unit)
     ax.set_title(f"Memory by role, at the {at} of each run")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     ax.tick_params(axis="x", labelrotation=15)
     return ax
 
