@@ -31,8 +31,7 @@ ROLES = ("parameters", "gradients", "optimizer_state", "batch", "activations", "
 def even_shares(batch: int, n_devices: int) -> list[int]:
     """How ``nn.DataParallel`` splits a batch (``torch.chunk``): equal chunks, the last ones smaller."""
     size = -(-batch // n_devices)
-    shares = [min(size, max(0, batch - i * size)) for i in range(n_devices)]
-    return shares
+    return [min(size, max(0, batch - i * size)) for i in range(n_devices)]
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
@@ -171,7 +170,7 @@ def measured(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tens
     optimizer = make_optimizer(model.parameters())
     x, y = x.to(f"cuda:{ids[0]}"), y.to(f"cuda:{ids[0]}")
     rows = []
-    for attempt in range(2):
+    for _ in range(2):  # the first step creates the optimizer state; the rows of the second are kept
         optimizer.zero_grad(set_to_none=True)
         for d in ids:
             torch.cuda.synchronize(d)
