@@ -83,6 +83,19 @@ def slug(info: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def write_rows(path: str | Path, rows: list[dict], info: dict) -> Path:
+    """Write ``rows`` (dicts with the same keys) as a CSV at ``path``, each row with the machine's columns
+    ``info`` added (a row's own value wins where it has the same key); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{**row, **{k: v for k, v in info.items() if k not in row}} for row in rows]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def write_run(rows: list[dict], info: dict | None = None, folder: Path = RUNS_DIR) -> Path:
     """Write a technique matrix as ``folder/<machine slug>.csv``, each row with the machine's columns.
 
@@ -90,15 +103,7 @@ def write_run(rows: list[dict], info: dict | None = None, folder: Path = RUNS_DI
         The path written (an earlier run of the same machine is replaced).
     """
     info = info or machine()
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{slug(info)}.csv"
-    rows = [{**row, **info} for row in rows]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    return write_rows(Path(folder) / f"{slug(info)}.csv", rows, info)
 
 
 def read_run(path: str | Path):
@@ -132,4 +137,4 @@ def load_runs(folder: str | Path = RUNS_DIR):
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=[*MACHINE_COLUMNS, "file"])
 
 
-__all__ = ["machine", "cpu_model", "slug", "write_run", "read_run", "load_runs", "RUNS_DIR", "MACHINE_COLUMNS"]
+__all__ = ["machine", "cpu_model", "slug", "write_rows", "write_run", "read_run", "load_runs", "RUNS_DIR", "MACHINE_COLUMNS"]
