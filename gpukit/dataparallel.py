@@ -24,6 +24,7 @@ from torch import nn
 
 import gpukit
 from gpukit.counter import round_up
+from gpukit.parallel import state_bytes
 
 ROLES = ("parameters", "gradients", "optimizer_state", "batch", "activations", "gathered_outputs")
 
@@ -32,13 +33,6 @@ def even_shares(batch: int, n_devices: int) -> list[int]:
     """How ``nn.DataParallel`` splits a batch (``torch.chunk``): equal chunks, the last ones smaller."""
     size = -(-batch // n_devices)
     return [min(size, max(0, batch - i * size)) for i in range(n_devices)]
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
-    rounded = lambda ts: sum(round_up(t.untyped_storage().nbytes()) for t in ts)  # noqa: E731
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return rounded(params), rounded(p.grad for p in params if p.grad is not None), rounded(state)
 
 
 class _Pieces:
@@ -50,7 +44,8 @@ class _Pieces:
         optimizer = make_optimizer(self.model.parameters())
         F.cross_entropy(self.model(x), y).backward()
         optimizer.step()
-        self.params, self.grads, self.opt_state = _state(self.model, optimizer)
+        held = state_bytes(self.model, optimizer)
+        self.params, self.grads, self.opt_state = held["parameters"], held["gradients"], held["optimizer_state"]
         self.model.zero_grad(set_to_none=True)
         with torch.no_grad():
             out = self.model(x)
