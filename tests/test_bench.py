@@ -174,7 +174,3 @@ def test_recording_needs_the_technique_matrix():
         run.main(["exactness", "--record"])
     assert exit_.value.code == 2
 
-
-def test_unknown_techniques_fields_are_not_accepted():
-    with pytest.raises(TypeError):
-        Technique("x", accumulation=4)
