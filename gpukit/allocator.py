@@ -104,17 +104,26 @@ class AllocatorConfig:
     max_non_split_rounding_size: int = kLargeBuffer
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    per_process_memory_fraction: float | None = None
     roundup_power2_divisions: list[int] = field(default_factory=lambda: [0] * kRoundUpPowerOfTwoIntervals)
     text: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> "AllocatorConfig":
-        """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string as AllocatorConfig::parseArgs does.
+    def parse(cls, text: str, previous: "AllocatorConfig | None" = None) -> "AllocatorConfig":
+        """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string as AcceleratorAllocatorConfig::parseArgs does.
+
+        Like ``torch.cuda.memory._set_allocator_settings``, a new string resets
+        max_split_size, roundup_power2_divisions and garbage_collection_threshold to their
+        defaults and keeps the other settings of ``previous`` unless it names them.
 
         Raises:
             ValueError: for an option or a value PyTorch would refuse, saying what is allowed.
         """
         cfg = cls(text=text)
+        if previous is not None:
+            cfg.max_non_split_rounding_size = previous.max_non_split_rounding_size
+            cfg.expandable_segments = previous.expandable_segments
+            cfg.per_process_memory_fraction = previous.per_process_memory_fraction
         if not isinstance(text, str):
             raise ValueError(f"allocator settings are a string such as 'max_split_size_mb:128', not {text!r}")
         tokens: list[str] = []
@@ -181,14 +190,34 @@ class AllocatorConfig:
                 expect(i + 1, ":")
                 i += 2
                 i = cfg._parse_roundup(tokens, i, text)
+            elif key == "per_process_memory_fraction":
+                expect(i + 1, ":")
+                i += 2
+                try:
+                    v = float(value(i, key))
+                except ValueError:
+                    v = -1.0
+                if not 0.0 <= v <= 1.0:
+                    raise ValueError("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
+                cfg.per_process_memory_fraction = v
             elif key in ("backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                          "pinned_num_register_threads", "pinned_use_background_threads"):
+                # accepted and checked as PyTorch checks them; they change nothing simulated here
                 expect(i + 1, ":")
                 i += 2
                 v = value(i, key)
                 if key == "backend" and v != "native":
                     raise ValueError("only the native allocator (backend:native) is simulated, "
                                      "not cudaMallocAsync")
+                if key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                           "pinned_use_background_threads") and v not in ("True", "False"):
+                    raise ValueError(f"Expected a single True/False argument for {key}")
+                if key == "pinned_num_register_threads":
+                    n = integer(v, key) if v.isdigit() else -1
+                    if n <= 0 or n & (n - 1):
+                        raise ValueError("Number of register threads has to be power of 2 ")
+                    if n > 128:
+                        raise ValueError("Number of register threads should be less than or equal to 128")
             else:
                 raise ValueError(f"Unrecognized CachingAllocator option: {key} (simulated options: "
                                  "max_split_size_mb, max_non_split_rounding_mb, garbage_collection_threshold, "
@@ -222,7 +251,7 @@ class AllocatorConfig:
                 if not (val == 0 or power_of_two(val)):
                     raise ValueError("For roundups, the divisons has to be power of 2 or 0 to disable roundup ")
                 if key == ">":
-                    for j in range(last_index, len(divs)):
+                    for j in range(last_index + 1, len(divs)):
                         divs[j] = val
                 else:
                     try:
@@ -382,6 +411,8 @@ class CachingAllocator:
                              f"{self.total_memory}-byte device")
         self.device = int(device)
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config or "")
+        if self.config.per_process_memory_fraction is not None and fraction is None:
+            fraction = self.config.per_process_memory_fraction
         self.small = BlockPool(True)
         self.large = BlockPool(False)
         self.active: dict[int, Block] = {}  # addr -> allocated block (or freed but waiting for streams)
@@ -404,13 +435,17 @@ class CachingAllocator:
 
     def set_memory_fraction(self, fraction: float) -> None:
         """``torch.cuda.set_per_process_memory_fraction``: cap reserved memory at ``fraction`` of the device."""
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ValueError(f"Invalid fraction value: {fraction!r}. Allowed range: 0~1")
+        if not isinstance(fraction, float):  # as torch.cuda.set_per_process_memory_fraction checks
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         self.allowed_memory_maximum = int(fraction * float(self.total_memory))
 
     def set_settings(self, config: str | AllocatorConfig) -> None:
         """``torch.cuda.memory._set_allocator_settings``: change the settings mid-run."""
-        self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config)
+        self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config, self.config)
+        if self.config.per_process_memory_fraction is not None:
+            self.set_memory_fraction(self.config.per_process_memory_fraction)
 
     def memory_allocated(self) -> int:
         return self.stats[4][0][0]
@@ -1184,6 +1219,8 @@ def load_snapshot(path_or_bytes) -> dict:
             raise pickle.UnpicklingError(f"a memory snapshot holds plain data; refused {module}.{name}")
 
     data = path_or_bytes if isinstance(path_or_bytes, bytes) else open(path_or_bytes, "rb").read()
+    if data[:2] == b"\x1f\x8b":  # the compact gzip-JSON form kept in data/traces/
+        return _expand_compact(data)
     try:
         snap = _PlainData(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError) as err:
@@ -1192,6 +1229,40 @@ def load_snapshot(path_or_bytes) -> dict:
         raise ValueError("not a torch.cuda.memory snapshot: no 'segments' (make one with "
                          "torch.cuda.memory._dump_snapshot after _record_memory_history)")
     return snap
+
+
+def _expand_compact(data: bytes) -> dict:
+    """A snapshot from data/traces/: the events and segments of a real one, numbers only."""
+    import gzip
+    import json
+
+    d = json.loads(gzip.decompress(data))
+    traces = [[{"action": a, ("device_free" if a == "oom" else "addr"): addr, "size": size, "stream": stream}
+               for a, addr, size, stream in t] for t in d["device_traces"]]
+    segments = [{"device": dev, "address": addr, "total_size": total, "segment_type": kind, "stream": stream,
+                 "is_expandable": exp, "blocks": [{"address": a, "size": n, "requested_size": r, "state": st}
+                                                  for a, n, r, st in blocks]}
+                for dev, addr, total, kind, stream, exp, blocks in d["segments"]]
+    return {"segments": segments, "device_traces": traces, "allocator_settings": d.get("allocator_settings", {})}
+
+
+def save_compact(snap: dict, path) -> None:
+    """Keep only a snapshot's allocator events and segments (numbers, no stack frames) as gzip JSON."""
+    import gzip
+    import json
+
+    keep = ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size", "garbage_collection_threshold", "expandable_segments",
+            "roundup_power2_divisions")
+    settings = snap.get("allocator_settings") or {}
+    out = {"allocator_settings": {k: settings[k] for k in keep if k in settings},
+           "device_traces": [[[e["action"], e.get("addr", e.get("device_free", 0)), e.get("size", 0),
+                               e.get("stream", 0)] for e in t] for t in snap.get("device_traces", [])],
+           "segments": [[s.get("device", 0), s["address"], s["total_size"], s["segment_type"], s.get("stream", 0),
+                         bool(s.get("is_expandable", False)),
+                         [[b["address"], b["size"], b.get("requested_size", 0), b["state"]] for b in s["blocks"]]]
+                        for s in snap["segments"]]}
+    with gzip.open(path, "wt") as f:
+        json.dump(out, f, separators=(",", ":"))
 
 
 def config_of_snapshot(snap: dict) -> AllocatorConfig:
@@ -1281,11 +1352,35 @@ def replay(snap: dict, device: int = 0, total_memory: int | str = 80 * 1024**3) 
             seen.add(e["addr"])
         elif e["action"] == "segment_free" and e["addr"] not in seen:
             freed_first.setdefault(e["addr"], e)
+    # blocks the trace frees without having allocated them were allocated before it began
+    born: set[int] = set()
+    freed_unborn: dict[int, int] = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            born.add(e["addr"])
+        elif e["action"] == "free_completed" and e["addr"] not in born:
+            freed_unborn.setdefault(e["addr"], e["size"])
+    unborn = sorted(freed_unborn)
     for seg in snap.get("segments", []):
         if seg.get("device", device) != device or seg["address"] in made or seg.get("is_expandable"):
             continue
         allocated = [(b["address"], b["size"], b.get("requested_size", b["size"]))
                      for b in seg["blocks"] if b["state"] != "inactive" and b["address"] not in live_at_end]
+        lo = bisect_left(unborn, seg["address"])
+        hi = bisect_left(unborn, seg["address"] + seg["total_size"])
+        taken = {a for a, _, _ in allocated}
+        extra = [a for a in unborn[lo:hi] if a not in taken]
+        starts = sorted(taken | set(extra)) + [seg["address"] + seg["total_size"]]
+        small = seg["segment_type"] == "small"
+        for a in extra:
+            # its block is what the allocator made of the request: the rounded size, or the
+            # whole gap to the next block when the rest was too small to split off
+            req = freed_unborn[a]
+            size = sim.round_size(req)
+            gap = starts[bisect_left(starts, a) + 1] - a
+            if size < gap and (gap - size < kMinBlockSize if small else gap - size <= kSmallSize):
+                size = gap
+            allocated.append((a, min(size, gap), req))
         sim.add_segment(seg["address"], seg["total_size"], small=seg["segment_type"] == "small",
                         stream=seg.get("stream", 0) or 0, allocated=allocated)
         rep.pre_existing_segments += 1
@@ -1347,7 +1442,10 @@ def replay(snap: dict, device: int = 0, total_memory: int | str = 80 * 1024**3) 
             pending_segments.clear()
             alias[e["addr"]] = addr  # the program frees what it got; here, the simulated block
         elif a == "free_completed":
-            sim.free(alias.pop(e["addr"], e["addr"]))
+            try:
+                sim.free(alias.pop(e["addr"], e["addr"]))
+            except ValueError:
+                rep.mismatches.append(("free of a block the replay does not hold", i, e["addr"]))
         i += 1
     if recorded_frees:
         mark = len(sim_trace)
