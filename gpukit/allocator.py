@@ -1466,6 +1466,158 @@ def replay(snap: dict, device: int = 0, total_memory: int | str = 80 * 1024**3) 
     return rep
 
 
+# -- driven by gpukit's counter ----------------------------------------------------------------------------------
+
+
+class SimulatedDevice:
+    """A simulated GPU fed by a gpukit counter: every storage it sees allocated is ``malloc``-ed here,
+    every storage it sees die is freed, so reserved memory follows the program as on CUDA.
+
+    Attach it to a ``gpukit.counter.Ledger`` (``attach``); storages the ledger already knows are
+    placed first, in the order it learnt of them. ``measure()`` on a CPU uses one per process
+    (``cpu_device()``); ``predict()`` one per prediction.
+    """
+
+    def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
+                 context_bytes: int | str = 0, record_events: bool = False) -> None:
+        self.allocator = CachingAllocator(total_memory, config, context_bytes=context_bytes)
+        self.addr: dict[int, int] = {}  # the ledger's storage key -> simulated address
+        self.peaks: list[list[int]] = []  # [peak reserved] of each block watching
+        self.events: list | None = [] if record_events else None  # ("a", key, nbytes) / ("f", key)
+        self.ledger = None
+
+    def attach(self, ledger) -> "SimulatedDevice":
+        if ledger.listener is not None and ledger.listener is not self:
+            raise RuntimeError("this counter already drives another simulated device; detach it first")
+        ledger.listener = self
+        self.ledger = ledger
+        for key, nbytes in list(ledger.sizes.items()):
+            if key not in self.addr:
+                self.on_alloc(key, nbytes, False)
+        return self
+
+    def detach(self) -> None:
+        if self.ledger is not None and self.ledger.listener is self:
+            self.ledger.listener = None
+        self.ledger = None
+
+    def on_alloc(self, key: int, nbytes: int, counted: bool = True) -> None:
+        """A storage of ``nbytes`` was made (``counted``) or found (an existing one, adopted).
+
+        Raises:
+            SimulatedOutOfMemoryError: when the simulated device cannot hold a new storage.
+        """
+        if nbytes <= 0:  # CUDA hands out no block for an empty storage
+            return
+        alloc = self.allocator
+        try:
+            a = alloc.malloc(nbytes)
+        except torch.OutOfMemoryError:
+            if counted:
+                raise
+            return  # an existing storage the device could not hold: left out of the simulation
+        old = self.addr.get(key)
+        self.addr[key] = a
+        if old is not None:  # the key of a storage that died unseen
+            alloc.free(old)
+        if self.events is not None:
+            self.events.append(("a", key, nbytes))
+        if self.peaks:
+            r = alloc.stats[5][0][0]
+            for p in self.peaks:
+                if r > p[0]:
+                    p[0] = r
+
+    def on_resize(self, key: int, nbytes: int) -> None:
+        """A storage changed size: like the allocator, the new block exists before the old is freed."""
+        old = self.addr.pop(key, None)
+        try:
+            self.on_alloc(key, nbytes)
+        except BaseException:
+            if old is not None:
+                self.addr[key] = old
+            raise
+        if old is not None:
+            self.allocator.free(old)
+            if self.events is not None:
+                self.events.append(("f", key))
+
+    def on_free(self, key: int) -> None:
+        a = self.addr.pop(key, None)
+        if a is not None:
+            self.allocator.free(a)
+            if self.events is not None:
+                self.events.append(("f", key))
+
+    def watch(self) -> list[int]:
+        """Start following the peak of reserved memory; returns the [peak] cell to read and ``unwatch``."""
+        cell = [self.allocator.memory_reserved()]
+        self.peaks.append(cell)
+        return cell
+
+    def unwatch(self, cell: list[int]) -> int:
+        if cell in self.peaks:
+            self.peaks.remove(cell)
+        return cell[0]
+
+
+_CPU_DEVICE: SimulatedDevice | None = None
+
+
+def cpu_device() -> SimulatedDevice:
+    """The simulated GPU that follows this process's CPU tensors (what ``measure()`` on CPU reports)."""
+    global _CPU_DEVICE
+    if _CPU_DEVICE is None:
+        from .counter import LEDGER
+
+        _CPU_DEVICE = SimulatedDevice().attach(LEDGER)
+    return _CPU_DEVICE
+
+
+def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
+                     context_bytes: int | str = 0) -> SimulatedDevice:
+    """Start the CPU's simulated GPU afresh, with a capacity and ``PYTORCH_CUDA_ALLOC_CONF`` settings.
+
+    Raises:
+        ValueError: for a size or setting that is not allowed.
+    """
+    global _CPU_DEVICE
+    from .counter import LEDGER
+
+    fresh = SimulatedDevice(total_memory, config, context_bytes=context_bytes)
+    if _CPU_DEVICE is not None:
+        _CPU_DEVICE.detach()
+    _CPU_DEVICE = fresh.attach(LEDGER)
+    return fresh
+
+
+def replay_events(events, total_memory: int, *, context_bytes: int = 0,
+                  config: str | AllocatorConfig | None = None) -> tuple[bool, int, CachingAllocator]:
+    """Run recorded ``SimulatedDevice`` events on a device of ``total_memory`` bytes.
+
+    Returns:
+        (whether every allocation succeeded, the peak of reserved memory, the allocator).
+    """
+    sim = CachingAllocator(total_memory, config, context_bytes=context_bytes)
+    addr: dict[int, int] = {}
+    malloc, free = sim.malloc, sim.free
+    try:
+        for e in events:
+            if e[0] == "a":
+                a = malloc(e[2])
+                old = addr.get(e[1])
+                addr[e[1]] = a
+                if old is not None:
+                    free(old)
+            else:
+                a = addr.pop(e[1], None)
+                if a is not None:
+                    free(a)
+    except torch.OutOfMemoryError:
+        return False, sim.max_memory_reserved(), sim
+    return True, sim.max_memory_reserved(), sim
+
+
 def _inc(s: list, n: int) -> None:
     s[0] += n
     if s[0] > s[1]:
