@@ -411,6 +411,7 @@ class CachingAllocator:
                              f"{self.total_memory}-byte device")
         self.device = int(device)
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config or "")
+        self._roundup = any(self.config.roundup_power2_divisions)
         if self.config.per_process_memory_fraction is not None and fraction is None:
             fraction = self.config.per_process_memory_fraction
         self.small = BlockPool(True)
@@ -444,6 +445,7 @@ class CachingAllocator:
     def set_settings(self, config: str | AllocatorConfig) -> None:
         """``torch.cuda.memory._set_allocator_settings``: change the settings mid-run."""
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config, self.config)
+        self._roundup = any(self.config.roundup_power2_divisions)
         if self.config.per_process_memory_fraction is not None:
             self.set_memory_fraction(self.config.per_process_memory_fraction)
 
@@ -503,6 +505,8 @@ class CachingAllocator:
     def round_size(self, size: int) -> int:
         if size < kMinBlockSize:
             return kMinBlockSize
+        if not self._roundup:
+            return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
         divisions = self.config.divisions_for(size)
         if divisions > 1 and size > kMinBlockSize * divisions:
             return roundup_power2_next_division(size, divisions)
@@ -622,11 +626,14 @@ class CachingAllocator:
         block.allocated = True
         block.requested = orig_size
         self.active[block.addr] = block
-        _inc2(st[0], p, 1)
-        _inc2(st[4], p, block.size)
-        _inc2(st[2], p, 1)
-        _inc2(st[6], p, block.size)
-        _inc2(st[8], p, orig_size)
+        n = block.size
+        for arr, v in ((st[0], 1), (st[4], n), (st[2], 1), (st[6], n), (st[8], orig_size)):
+            for s in (arr[0], arr[p]):
+                c = s[0] + v
+                s[0] = c
+                if c > s[1]:
+                    s[1] = c
+                s[2] += v
         if block.size >= self.config.max_split_size:
             _inc(self.oversize_allocations, 1)
         if self.trace is not None:
@@ -979,9 +986,10 @@ class CachingAllocator:
                 _inc2(st[7], p, n_bytes)
             elif n_bytes < 0:
                 _dec2(st[7], p, -n_bytes)
-        _dec2(st[2], p, 1)
-        _dec2(st[6], p, size)
-        _dec2(st[8], p, requested)
+        for arr, v in ((st[2], 1), (st[6], size), (st[8], requested)):
+            for s in (arr[0], arr[p]):
+                s[0] -= v
+                s[3] += v
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         if src is None or src.allocated or src.event_count > 0 or src.stream_uses or dst.mapped != src.mapped:
@@ -1562,11 +1570,24 @@ class SimulatedDevice:
 
 
 _CPU_DEVICE: SimulatedDevice | None = None
+_CPU_SIMULATION = True
 
 
-def cpu_device() -> SimulatedDevice:
-    """The simulated GPU that follows this process's CPU tensors (what ``measure()`` on CPU reports)."""
+def set_cpu_simulation(enabled: bool) -> None:
+    """Turn the simulated GPU behind ``measure()`` on CPU on or off (off: allocated bytes only)."""
+    global _CPU_SIMULATION, _CPU_DEVICE
+    _CPU_SIMULATION = bool(enabled)
+    if not enabled and _CPU_DEVICE is not None:
+        _CPU_DEVICE.detach()
+        _CPU_DEVICE = None
+
+
+def cpu_device() -> SimulatedDevice | None:
+    """The simulated GPU that follows this process's CPU tensors (what ``measure()`` on CPU reports);
+    None when ``set_cpu_simulation(False)`` turned it off."""
     global _CPU_DEVICE
+    if not _CPU_SIMULATION:
+        return None
     if _CPU_DEVICE is None:
         from .counter import LEDGER
 
