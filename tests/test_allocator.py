@@ -584,3 +584,57 @@ def test_expandable_segments_grow_and_unmap():
     s.empty_cache()
     assert s.memory_reserved() == 0
     assert [e[0] for e in s.trace if e[0].startswith("segment")] == ["segment_map", "segment_map", "segment_unmap"]
+
+
+# -- driven by the CPU counter: measure() and budget() on a CPU ----------------------------------------------
+
+
+def test_measure_on_cpu_reports_simulated_reserved():
+    """Device: cpu, with the simulated GPU behind it. A 64 MiB tensor takes a 66 MiB segment (rounded to
+    2 MiB); deleting it leaves the segment cached; empty_cache gives it back."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    dev = reset_cpu_device("16 GiB")
+    try:
+        with gpukit.measure("cpu", record=False) as r:
+            x = torch.empty(64 * MB + 1, dtype=torch.uint8, device="cpu")
+            del x
+        assert r.reserved_simulated and "reserved, simulated" in repr(r)
+        assert r.peak == 64 * MB + 512
+        assert r.reserved_peak - r.reserved_start == 66 * MB
+        assert r.reserved_end == r.reserved_peak  # cached, not given back
+        dev.allocator.empty_cache()
+        assert dev.allocator.memory_reserved() == r.reserved_start
+    finally:
+        reset_cpu_device()
+
+
+def test_budget_reserved_on_cpu_raises_cudas_oom_and_leaves_the_counter_consistent():
+    """Device: cpu. budget(reserved=True) caps the simulated reserved memory: fragmentation that leaves
+    enough free bytes in total still fails, with CUDA's message; the failed tensor is not counted."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+    from gpukit.counter import LEDGER
+
+    dev = reset_cpu_device("16 GiB")
+    base = dev.allocator.memory_reserved()  # CPU tensors that already exist hold segments too
+    try:
+        with gpukit.budget(base + 190 * MB, device="cpu", reserved=True):
+            blocks = [torch.empty(6 * MB, dtype=torch.uint8, device="cpu") for _ in range(27)]  # 9 x 20 MiB
+            del blocks[0::3], blocks[0::2]  # every segment keeps one 6 MiB block: nothing to release
+            live = LEDGER.live_rounded
+            with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 18.00 MiB") as e:
+                torch.empty(18 * MB, dtype=torch.uint8, device="cpu")
+            assert f"{format_size(base + 190 * MB)} allowed" in str(e.value)
+            assert LEDGER.live_rounded == live
+            del blocks
+    finally:
+        reset_cpu_device()
+
+
+def test_budget_reserved_is_cpu_only():
+    import gpukit
+
+    with pytest.raises(ValueError, match="reserved=True"):
+        gpukit.budget("1 GiB", device="meta", reserved=True)
