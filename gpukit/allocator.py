@@ -1612,6 +1612,33 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
     return fresh
 
 
+class follow:
+    """``with follow(ledger) as device:``: a simulated GPU that follows every allocation and free the
+    ledger sees during the block (its counting is on throughout), recording them in ``device.events``.
+    ``predict()`` runs under ``follow(FAKE_LEDGER)`` to give reserved memory at the peak."""
+
+    def __init__(self, ledger, total_memory: int | str = 80 * 1024**3,
+                 config: str | AllocatorConfig | None = None) -> None:
+        self.ledger = ledger
+        self.device = SimulatedDevice(total_memory, config, record_events=True)
+
+    def __enter__(self) -> SimulatedDevice:
+        self.device.attach(self.ledger)
+        try:
+            self._tally = self.ledger.start()
+        except BaseException:
+            self.device.detach()
+            raise
+        return self.device
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            self.ledger.stop(self._tally)
+        finally:
+            self.device.detach()
+        return False
+
+
 def replay_events(events, total_memory: int, *, context_bytes: int = 0,
                   config: str | AllocatorConfig | None = None) -> tuple[bool, int, CachingAllocator]:
     """Run recorded ``SimulatedDevice`` events on a device of ``total_memory`` bytes.

@@ -638,3 +638,21 @@ def test_budget_reserved_is_cpu_only():
 
     with pytest.raises(ValueError, match="reserved=True"):
         gpukit.budget("1 GiB", device="meta", reserved=True)
+
+
+def test_predict_gives_reserved_at_the_peak_and_will_it_fit_replays_it():
+    """Device: a simulated GPU fed by predict()'s fake tensors (nothing allocated). Reserved memory at the
+    peak covers the allocated peak; will_it_fit replays the allocations on each size: a device that holds
+    the allocated peak but not what the allocator needs does not fit."""
+    from torch import nn
+
+    from gpukit.estimate import predict
+
+    p = predict(lambda: nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                      nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)),
+                lambda ps: torch.optim.Adam(ps), lambda: (torch.randn(512, 64), torch.randint(0, 10, (512,))))
+    assert p.reserved_peak >= p.peak > 0 and p.allocator_events
+    below, between, above = p.peak - 2 * MB, (p.peak + p.reserved_peak) // 2, p.reserved_peak + 2 * MB
+    table = p.will_it_fit(sizes_gb=(below / 1e9, between / 1e9, above / 1e9), allowance=0)
+    assert list(table["fits"]) == [False, False, True]
+    assert "reserved, simulated" in repr(p) or "simulated allocator" in repr(p)
