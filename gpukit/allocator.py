@@ -1117,46 +1117,12 @@ class CachingAllocator:
         return max((k[1] for pool in (self.small, self.large) for k in pool.keys), default=0)
 
     def plot_segments(self, ax=None, title: str | None = None, max_segments: int = 40):
-        """Draw the segment map: one bar per segment, its blocks in place (like memory_viz's segment view).
-
-        Allocated blocks are coloured, cached free blocks grey. Returns the matplotlib Axes.
-        """
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-
+        """Draw this allocator's segment map (see ``plot_segments``); returns the matplotlib Axes."""
         from .report import format_bytes
 
-        segs = self.segments()
-        if len(segs) > max_segments:
-            segs = sorted(segs, key=lambda s: -s["total_size"])[:max_segments]
-            segs.sort(key=lambda s: s["address"])
-        if ax is None:
-            _, ax = plt.subplots(figsize=(9, 0.6 + 0.32 * max(len(segs), 1)))
-        widest = max((s["total_size"] for s in segs), default=1)
-        palette = plt.get_cmap("tab20").colors
-        for row, s in enumerate(segs):
-            y = len(segs) - 1 - row
-            for k, b in enumerate(s["blocks"]):
-                x = b["address"] - s["address"]
-                if b["state"] == "active_allocated":
-                    color = palette[(b["address"] // 512) % len(palette)]
-                else:
-                    color = "#dddddd"
-                ax.barh(y, b["size"], left=x, height=0.8, color=color, edgecolor="white", linewidth=0.4)
-            kind = ("expandable " if s["is_expandable"] else "") + s["segment_type"]
-            stream = f", stream {s['stream']}" if s["stream"] else ""
-            ax.text(widest * 1.01, y, f"{format_bytes(s['total_size'])} {kind}{stream}", va="center", fontsize=8)
-        ax.set_yticks([])
-        ax.set_xlim(0, widest * 1.3)
-        ax.set_xlabel("offset in segment (bytes)")
-        reserved, allocated = self.memory_reserved(), self.memory_allocated()
-        ax.set_title(title or f"segments (simulated): {format_bytes(reserved)} reserved, "
-                              f"{format_bytes(allocated)} allocated")
-        ax.legend(handles=[Patch(color=palette[0], label="allocated block"),
-                           Patch(color="#dddddd", label="cached, free (reserved but unallocated)")],
-                  loc="upper right", fontsize=8, frameon=False, bbox_to_anchor=(1.0, -0.12), ncol=2)
-        return ax
-
+        title = title or (f"segments (simulated): {format_bytes(self.memory_reserved())} reserved, "
+                          f"{format_bytes(self.memory_allocated())} allocated")
+        return plot_segments(self.segments(), ax=ax, title=title, max_segments=max_segments)
 
     # -- a state found in a recorded snapshot ------------------------------------------------------------------
 
@@ -1209,6 +1175,56 @@ class CachingAllocator:
                 self.active[a] = b
                 for k, v in ((0, 1), (4, n), (2, 1), (6, n), (8, req)):
                     _inc2(self.stats[k], p, v)
+
+
+def plot_segments(segments: list[dict], ax=None, title: str | None = None, max_segments: int = 40):
+    """Draw a segment map, one bar per segment with its blocks in place, like ``torch.cuda._memory_viz``'s
+    segment view: allocated blocks coloured, cached free blocks grey.
+
+    Args:
+        segments: ``torch.cuda.memory._snapshot()["segments"]`` of a real GPU, or ``CachingAllocator.segments()``.
+        max_segments: draw at most this many (the largest), in address order.
+
+    Returns:
+        The matplotlib Axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from .report import format_bytes
+
+    segs = list(segments)
+    if len(segs) > max_segments:
+        segs = sorted(segs, key=lambda s: -s["total_size"])[:max_segments]
+    segs.sort(key=lambda s: s["address"])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * max(len(segs), 1)))
+    widest = max((s["total_size"] for s in segs), default=1)
+    palette = plt.get_cmap("tab20").colors
+    allocated = reserved = 0
+    for row, s in enumerate(segs):
+        y = len(segs) - 1 - row
+        reserved += s["total_size"]
+        for b in s["blocks"]:
+            x = b["address"] - s["address"]
+            if b["state"] == "active_allocated":
+                allocated += b["size"]
+                color = palette[(b["address"] // 512) % len(palette)]
+            else:
+                color = "#dddddd"
+            ax.barh(y, b["size"], left=x, height=0.8, color=color, edgecolor="white", linewidth=0.4)
+        kind = ("expandable " if s.get("is_expandable") else "") + s.get("segment_type", "")
+        stream = f", stream {s['stream']}" if s.get("stream") else ""
+        ax.text(widest * 1.01, y, f"{format_bytes(s['total_size'])} {kind}{stream}", va="center", fontsize=8)
+    ax.set_yticks([])
+    ax.set_xlim(0, widest * 1.3)
+    ax.set_xlabel("offset in segment (bytes)")
+    ax.set_title(title or f"segments: {format_bytes(reserved)} reserved, {format_bytes(allocated)} allocated")
+    ax.legend(handles=[Patch(color=palette[0], label="allocated block"),
+                       Patch(color="#dddddd", label="cached, free (reserved but unallocated)")],
+              loc="upper left", fontsize=8, frameon=False, bbox_to_anchor=(0.0, -0.25 if len(segs) < 4 else -0.08),
+              ncol=2)
+    return ax
 
 
 def load_snapshot(path_or_bytes) -> dict:
