@@ -87,6 +87,41 @@ def replay_speed(expandable: bool) -> dict:
             "cpu_seconds_per_million": round(cpu / done * 1e6, 3)}  # CPU time: what a busy machine does not inflate
 
 
+PICTURE = Path(__file__).resolve().parent.parent / "docs" / "segment_map.png"
+
+
+def picture(path: Path = PICTURE) -> Path:
+    """docs/segment_map.png: notebook 07's fragmentation, on a simulated allocator, with the defaults and with
+    max_split_size_mb:40 (a 60 MiB tensor freed, five 8 MiB ones made and three freed, 60 MiB asked again)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mb = 1024 * 1024
+    fig, axes = plt.subplots(2, 1, figsize=(9, 4.2))
+    for ax, settings in zip(axes, ("", "max_split_size_mb:40")):
+        sim = CachingAllocator("80 GiB", settings, fraction=100 * mb / (80 * 1024**3))
+        sim.free(sim.malloc(60 * mb))
+        smalls = [sim.malloc(8 * mb) for _ in range(5)]
+        for a in smalls[0::2]:
+            sim.free(a)
+        before = sim.segments()
+        try:
+            sim.malloc(60 * mb)
+            outcome = "fits"
+        except torch.OutOfMemoryError:
+            outcome = "CUDA out of memory"
+        from gpukit.allocator import plot_segments
+
+        plot_segments(before, ax=ax, title=f"{settings or 'defaults'}: 16 MiB in use under a 100 MiB cap; "
+                                           f"60 MiB asked again: {outcome} (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(repeats: int = 20) -> list[dict]:
     rows = []
     for name, make_model, make_batch, batch in CASES:
@@ -103,6 +138,7 @@ def main(repeats: int = 20) -> list[dict]:
               f"({row['events_per_s']:,}/s; {row['cpu_seconds_per_million']:.2f} CPU-s per million)", flush=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     write_csv("allocator.csv", [{k: r.get(k) for k in keys} for r in rows])
+    print(f"wrote {picture()}", flush=True)
     return rows
 
 

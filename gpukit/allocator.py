@@ -1189,7 +1189,6 @@ def plot_segments(segments: list[dict], ax=None, title: str | None = None, max_s
         The matplotlib Axes.
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     from .report import format_bytes
 
@@ -1199,31 +1198,28 @@ def plot_segments(segments: list[dict], ax=None, title: str | None = None, max_s
     segs.sort(key=lambda s: s["address"])
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * max(len(segs), 1)))
-    widest = max((s["total_size"] for s in segs), default=1)
+    widest = max((s["total_size"] for s in segs), default=1) / kMB
     palette = plt.get_cmap("tab20").colors
     allocated = reserved = 0
     for row, s in enumerate(segs):
         y = len(segs) - 1 - row
         reserved += s["total_size"]
         for b in s["blocks"]:
-            x = b["address"] - s["address"]
+            x = (b["address"] - s["address"]) / kMB
             if b["state"] == "active_allocated":
                 allocated += b["size"]
                 color = palette[(b["address"] // 512) % len(palette)]
             else:
                 color = "#dddddd"
-            ax.barh(y, b["size"], left=x, height=0.8, color=color, edgecolor="white", linewidth=0.4)
+            ax.barh(y, b["size"] / kMB, left=x, height=0.8, color=color, edgecolor="white", linewidth=0.4)
         kind = ("expandable " if s.get("is_expandable") else "") + s.get("segment_type", "")
         stream = f", stream {s['stream']}" if s.get("stream") else ""
         ax.text(widest * 1.01, y, f"{format_bytes(s['total_size'])} {kind}{stream}", va="center", fontsize=8)
     ax.set_yticks([])
     ax.set_xlim(0, widest * 1.3)
-    ax.set_xlabel("offset in segment (bytes)")
+    ax.set_xlabel("offset in segment (MiB); coloured: allocated blocks, grey: cached free blocks "
+                  "(reserved but unallocated)", fontsize=8)
     ax.set_title(title or f"segments: {format_bytes(reserved)} reserved, {format_bytes(allocated)} allocated")
-    ax.legend(handles=[Patch(color=palette[0], label="allocated block"),
-                       Patch(color="#dddddd", label="cached, free (reserved but unallocated)")],
-              loc="upper left", fontsize=8, frameon=False, bbox_to_anchor=(0.0, -0.25 if len(segs) < 4 else -0.08),
-              ncol=2)
     return ax
 
 
