@@ -1505,6 +1505,7 @@ class SimulatedDevice:
         self.peaks: list[list[int]] = []  # [peak reserved] of each block watching
         self.events: list | None = [] if record_events else None  # ("a", key, nbytes) / ("f", key)
         self.ledger = None
+        self.failed = False  # interrupted mid-update (Ctrl-C): detached, its state no longer trusted
 
     def attach(self, ledger) -> "SimulatedDevice":
         if ledger.listener is not None and ledger.listener is not self:
@@ -1521,6 +1522,10 @@ class SimulatedDevice:
             self.ledger.listener = None
         self.ledger = None
 
+    def _fail(self) -> None:
+        self.failed = True
+        self.detach()
+
     def on_alloc(self, key: int, nbytes: int, counted: bool = True) -> None:
         """A storage of ``nbytes`` was made (``counted``) or found (an existing one, adopted).
 
@@ -1536,6 +1541,9 @@ class SimulatedDevice:
             if counted:
                 raise
             return  # an existing storage the device could not hold: left out of the simulation
+        except BaseException:  # interrupted half-way (KeyboardInterrupt): stop following rather than drift
+            self._fail()
+            raise
         old = self.addr.get(key)
         self.addr[key] = a
         if old is not None:  # the key of a storage that died unseen
@@ -1565,7 +1573,11 @@ class SimulatedDevice:
     def on_free(self, key: int) -> None:
         a = self.addr.pop(key, None)
         if a is not None:
-            self.allocator.free(a)
+            try:
+                self.allocator.free(a)
+            except BaseException:  # called from a weakref callback: never let a broken state repeat
+                self._fail()
+                raise
             if self.events is not None:
                 self.events.append(("f", key))
 
@@ -1600,7 +1612,7 @@ def cpu_device() -> SimulatedDevice | None:
     global _CPU_DEVICE
     if not _CPU_SIMULATION:
         return None
-    if _CPU_DEVICE is None:
+    if _CPU_DEVICE is None or _CPU_DEVICE.failed:  # a device whose update was interrupted starts afresh
         from .counter import LEDGER
 
         _CPU_DEVICE = SimulatedDevice().attach(LEDGER)

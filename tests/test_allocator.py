@@ -656,3 +656,31 @@ def test_predict_gives_reserved_at_the_peak_and_will_it_fit_replays_it():
     table = p.will_it_fit(sizes_gb=(below / 1e9, between / 1e9, above / 1e9), allowance=0)
     assert list(table["fits"]) == [False, False, True]
     assert "reserved, simulated" in repr(p) or "simulated allocator" in repr(p)
+
+
+def test_ctrl_c_inside_the_simulation_leaves_measure_usable(monkeypatch):
+    """Device: cpu. A KeyboardInterrupt in the middle of a simulated malloc reaches the user; the counter
+    is switched off, and the next measure() starts a fresh simulated device and reports reserved memory."""
+    import gpukit
+    from gpukit import allocator
+    from gpukit.counter import LEDGER
+
+    dev = allocator.reset_cpu_device()
+    real = dev.allocator.malloc
+
+    def interrupted(size, stream=0):
+        monkeypatch.setattr(dev.allocator, "malloc", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dev.allocator, "malloc", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with gpukit.measure("cpu", record=False):
+                torch.empty(3 * MB, dtype=torch.uint8, device="cpu")
+        assert not LEDGER.active and dev.failed and LEDGER.listener is None
+        with gpukit.measure("cpu", record=False) as r:
+            x = torch.empty(3 * MB, dtype=torch.uint8, device="cpu")
+        assert r.reserved_simulated and r.reserved_end >= r.live_end and allocator.cpu_device() is not dev
+        del x
+    finally:
+        allocator.reset_cpu_device()
