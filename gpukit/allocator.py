@@ -527,18 +527,23 @@ class CachingAllocator:
             SimulatedOutOfMemoryError: (a ``torch.OutOfMemoryError``) with CUDA's message.
             ValueError: for a negative or non-integer size.
         """
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"malloc takes a size in bytes (an int >= 0), not {size!r}")
+        if type(size) is not int or size < 0:  # bool is refused too
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"malloc takes a size in bytes (an int >= 0), not {size!r}")
+            size = int(size)
         if size >= 1152921504606846976:
             self._oom_plain("CUDA out of memory. Tried to allocate more than 1EB memory.")
         orig_size = size
         if self.pending:
             self.process_events()
-        size = self.round_size(size)
+        if self._roundup:
+            size = self.round_size(size)
+        else:  # round_size without power-2 divisions: up to a multiple of 512 bytes
+            size = kMinBlockSize if size < kMinBlockSize else (size + kMinBlockSize - 1) & -kMinBlockSize
         pool = self.small if size <= kSmallSize else self.large
-        alloc_size = self.get_allocation_size(size)
         block = self._get_free_block(pool, stream, size)
         if block is None:
+            alloc_size = self.get_allocation_size(size)
             gc = self.config.garbage_collection_threshold
             if self.allowed_memory_maximum is not None and gc > 0.0:
                 self._garbage_collect_cached_blocks()
@@ -550,7 +555,11 @@ class CachingAllocator:
                 block = self._alloc_block(pool, stream, size, alloc_size, True)
             if block is None:
                 self._raise_oom(size, alloc_size, stream)
-        split = self._should_split(block, size)
+        remaining = block.size - size  # should_split, inline: this is the hot path
+        if pool.is_small or self.config.expandable_segments:
+            split = remaining >= kMinBlockSize
+        else:
+            split = size < self.config.max_split_size and remaining > kSmallSize
         return self._alloc_found_block(block, pool, stream, size, orig_size, split)
 
     def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
@@ -627,13 +636,25 @@ class CachingAllocator:
         block.requested = orig_size
         self.active[block.addr] = block
         n = block.size
-        for arr, v in ((st[0], 1), (st[4], n), (st[2], 1), (st[6], n), (st[8], orig_size)):
-            for s in (arr[0], arr[p]):
-                c = s[0] + v
-                s[0] = c
-                if c > s[1]:
-                    s[1] = c
-                s[2] += v
+        # allocation, allocated_bytes, active, active_bytes, requested_bytes: +1/+size, in "all" and the pool
+        for s in (st[0][0], st[0][p], st[2][0], st[2][p]):
+            c = s[0] + 1
+            s[0] = c
+            if c > s[1]:
+                s[1] = c
+            s[2] += 1
+        for s in (st[4][0], st[4][p], st[6][0], st[6][p]):
+            c = s[0] + n
+            s[0] = c
+            if c > s[1]:
+                s[1] = c
+            s[2] += n
+        for s in (st[8][0], st[8][p]):
+            c = s[0] + orig_size
+            s[0] = c
+            if c > s[1]:
+                s[1] = c
+            s[2] += orig_size
         if block.size >= self.config.max_split_size:
             _inc(self.oversize_allocations, 1)
         if self.trace is not None:
