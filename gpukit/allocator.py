@@ -9,9 +9,17 @@
 
 What is modelled is the policy of ``DeviceCachingAllocator`` in
 c10/cuda/CUDACachingAllocator.cpp, with its settings from c10/core/AllocatorConfig.{h,cpp}
-(``PYTORCH_CUDA_ALLOC_CONF``), as of PyTorch 2.11 (the GPU machines' version) through
-2.13 (this machine's); the functions below carry the C++ names so that each can be
-checked against the source:
+(``PYTORCH_CUDA_ALLOC_CONF``, the ``AcceleratorAllocatorConfig`` of PyTorch 2.9 and later),
+for PyTorch 2.11; the functions below carry the C++ names so that each can be checked
+against the source. Versions differ in details this follows the newer side of: an oversize
+cached block serves a request within ``max_non_split_rounding_mb`` (20 MiB unless set; older
+versions: 20 MiB always); garbage collection and ``release_available_cached_blocks`` skip
+expandable-segment blocks; ``roundup_power2_divisions:[...,>:N]`` sets the intervals after
+the last one named (older parsers overwrote that one too); a new settings string resets
+max_split_size, the divisions and the gc threshold and keeps the rest. The out-of-memory
+message is the text of the source read (PyTorch's main branch), which real 2025-2026 error
+logs show word for word. Of the settings newer than 2.11, ``per_process_memory_fraction`` is
+simulated; ``large_segment_size_mb`` is refused with a message saying so.
 
 * sizes rounded up to 512 B (``round_size``), or to a power-of-two division
   (``roundup_power2_divisions``); requests of at most 1 MiB come from the small pool,
@@ -47,6 +55,10 @@ CUDA events are not timed: a block used on another stream is free once ``synchro
 (or an ``empty_cache()``, which synchronizes) says the GPU caught up. Addresses are
 made up (a new segment starts above every earlier one); a replay of a recorded trace
 can take the recorded ones instead (``address_source``).
+
+Driving it: ``CachingAllocator.malloc/free`` directly; ``SimulatedDevice`` fed by gpukit's counter
+(``measure()`` on CPU uses ``cpu_device()``; ``predict()`` runs under ``follow(FAKE_LEDGER)``);
+``replay(load_snapshot(path))`` for a recorded ``torch.cuda.memory._dump_snapshot()`` pickle.
 
 Validated against PyTorch's own allocator tests and recorded traces: tests/test_allocator.py.
 """
@@ -190,6 +202,9 @@ class AllocatorConfig:
                 expect(i + 1, ":")
                 i += 2
                 i = cfg._parse_roundup(tokens, i, text)
+            elif key == "large_segment_size_mb":
+                raise ValueError("large_segment_size_mb (PyTorch 2.13) is not simulated: the simulation follows "
+                                 "PyTorch 2.11, whose large segments are 20 MiB")
             elif key == "per_process_memory_fraction":
                 expect(i + 1, ":")
                 i += 2
