@@ -684,3 +684,16 @@ def test_ctrl_c_inside_the_simulation_leaves_measure_usable(monkeypatch):
         del x
     finally:
         allocator.reset_cpu_device()
+
+
+def test_garbage_collection_threshold_frees_old_cached_blocks_before_growing():
+    """garbage_collection_threshold (with a per-process cap): past threshold x cap, cached unsplit blocks at
+    least as old as the average (counted in free-block searches) go back before a new segment is made."""
+    for gc, expected in (("", 100 * MB), ("garbage_collection_threshold:0.5", 40 * MB)):
+        s = CachingAllocator("80 GiB", gc, fraction=100 * MB / (80 * 1024**3))
+        a, b = s.malloc(30 * MB), s.malloc(30 * MB)
+        s.free(a)
+        s.free(b)  # 60 MiB cached, above half the 100 MiB cap
+        s.malloc(40 * MB)  # no cached block fits: with gc both old blocks go first, then a 40 MiB segment
+        assert s.memory_reserved() == expected, gc
+        assert s.memory_stats()["num_device_free"] == (2 if gc else 0)
