@@ -17,9 +17,12 @@ versions: 20 MiB always); garbage collection and ``release_available_cached_bloc
 expandable-segment blocks; ``roundup_power2_divisions:[...,>:N]`` sets the intervals after
 the last one named (older parsers overwrote that one too); a new settings string resets
 max_split_size, the divisions and the gc threshold and keeps the rest. The out-of-memory
-message is the text of the source read (PyTorch's main branch), which real 2025-2026 error
-logs show word for word. Of the settings newer than 2.11, ``per_process_memory_fraction`` is
-simulated; ``large_segment_size_mb`` is refused with a message saying so.
+message's figures are built as in every version since 2.3; its closing advice (``OOM_ADVICE``) is
+the text of the source read (PyTorch's main branch), which some 2026 error logs show word for word,
+while others of early 2026 (2.10) name ``PYTORCH_ALLOC_CONF`` and the
+``.../notes/cuda.html#environment-variables`` page instead: 2.11's own wording was not available here.
+Of the settings newer than 2.11, ``per_process_memory_fraction`` is simulated;
+``large_segment_size_mb`` is refused with a message saying so.
 
 * sizes rounded up to 512 B (``round_size``), or to a power-of-two division
   (``roundup_power2_divisions``); requests of at most 1 MiB come from the small pool,
@@ -84,6 +87,10 @@ kRoundUpPowerOfTwoIntervals = 16
 SIZE_MAX = 2**64 - 1
 
 SIMULATED = "simulated CUDA caching allocator"
+OOM_ADVICE = (" If reserved but unallocated memory is large try setting"
+              " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
+              " fragmentation.  See documentation for Memory Management "
+              " (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
 
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
               "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -1083,11 +1090,7 @@ class CachingAllocator:
                 + " has a total capacity of " + format_size(device_total) + " of which " + format_size(device_free)
                 + " is free. " + proc + allowed + "Of the allocated memory " + format_size(allocated)
                 + " is allocated by PyTorch, and " + format_size(reserved - allocated)
-                + " is reserved by PyTorch but unallocated."
-                + " If reserved but unallocated memory is large try setting"
-                + " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
-                + " fragmentation.  See documentation for Memory Management "
-                + " (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+                + " is reserved by PyTorch but unallocated." + OOM_ADVICE)
 
     def _raise_oom(self, size: int, alloc_size: int, stream: int) -> None:
         self.counters["num_ooms"] += 1
