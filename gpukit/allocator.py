@@ -1577,9 +1577,17 @@ class SimulatedDevice:
         try:
             a = alloc.malloc(nbytes)
         except torch.OutOfMemoryError:
-            if counted:
-                raise
-            return  # an existing storage the device could not hold: left out of the simulation
+            if counted and alloc.allowed_memory_maximum is not None:
+                raise  # a cap the user set (budget(..., reserved=True)): the lesson's OOM
+            # The simulated GPU is smaller than what the program really holds: never fail a real run
+            # for that; stop simulating, and say so.
+            import warnings
+
+            warnings.warn(f"the simulated GPU ({format_size(alloc.total_memory)}) cannot hold this process's "
+                          "tensors: reserved memory is no longer simulated (a bigger one: "
+                          "gpukit.allocator.reset_cpu_device(total_memory=...))", RuntimeWarning, stacklevel=2)
+            self._fail()
+            return
         except BaseException:  # interrupted half-way (KeyboardInterrupt): stop following rather than drift
             self._fail()
             raise
@@ -1680,8 +1688,9 @@ class follow:
     ledger sees during the block (its counting is on throughout), recording them in ``device.events``.
     ``predict()`` runs under ``follow(FAKE_LEDGER)`` to give reserved memory at the peak."""
 
-    def __init__(self, ledger, total_memory: int | str = 80 * 1024**3,
+    def __init__(self, ledger, total_memory: int | str = 2**60,
                  config: str | AllocatorConfig | None = None) -> None:
+        # no capacity by default: what a run would reserve, whatever its size (will_it_fit replays it per GPU)
         self.ledger = ledger
         self.device = SimulatedDevice(total_memory, config, record_events=True)
 

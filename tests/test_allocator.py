@@ -697,3 +697,20 @@ def test_garbage_collection_threshold_frees_old_cached_blocks_before_growing():
         s.malloc(40 * MB)  # no cached block fits: with gc both old blocks go first, then a 40 MiB segment
         assert s.memory_reserved() == expected, gc
         assert s.memory_stats()["num_device_free"] == (2 if gc else 0)
+
+
+def test_a_cpu_run_bigger_than_the_simulated_gpu_is_not_failed():
+    """Device: cpu. Without a cap the user set, a simulated GPU too small for the run stops simulating
+    (with a warning) instead of failing a real CPU program."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    dev = reset_cpu_device("64 MiB")
+    try:
+        with pytest.warns(RuntimeWarning, match="no longer simulated"):
+            with gpukit.measure("cpu", record=False) as r:
+                x = torch.empty(100 * MB, dtype=torch.uint8, device="cpu")
+        assert r.peak == 100 * MB and dev.failed
+        del x
+    finally:
+        reset_cpu_device()
