@@ -12,7 +12,10 @@ block needs, and the previous fraction is restored on exit.
 On CPU the exact live-tensor counter (gpukit.counter) raises a real
 ``torch.OutOfMemoryError`` when an allocation would take the live bytes of all
 CPU tensors past the cap: the same error, at the same place, as a GPU of that
-size with no fragmentation.
+size with no fragmentation. With ``reserved=True`` the cap applies instead to the
+reserved memory of the simulated caching allocator that follows the CPU tensors
+(gpukit.allocator), as ``set_per_process_memory_fraction`` does on CUDA: fragmentation
+and the cache count, and the error carries CUDA's message.
 """
 
 from __future__ import annotations
@@ -35,9 +38,14 @@ class budget:
         ValueError: for a size or device that is not one.
     """
 
-    def __init__(self, limit: int | float | str, device: str | torch.device | None = None) -> None:
+    def __init__(self, limit: int | float | str, device: str | torch.device | None = None, *,
+                 reserved: bool = False) -> None:
         self.limit = parse_bytes(limit)
         self.device = resolve_device(device)
+        self.reserved = reserved  # CPU: cap the simulated allocator's reserved memory (gpukit.allocator)
+        if reserved and self.device.type != "cpu":
+            raise ValueError("reserved=True caps the simulated allocator behind the CPU counter; on CUDA "
+                             "budget() always caps reserved memory (set_per_process_memory_fraction)")
         self._entered = False
 
     def __repr__(self) -> str:
@@ -47,7 +55,17 @@ class budget:
         if self._entered:
             raise RuntimeError("a budget() object is used once; make a new one for each block")
         self._entered = True
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.reserved:
+            from .allocator import cpu_device
+
+            sim = cpu_device()
+            if sim is None:
+                raise RuntimeError("the simulated allocator is off: gpukit.allocator.set_cpu_simulation(True)")
+            self._tally = LEDGER.start()
+            self._sim, self._previous = sim.allocator, sim.allocator.allowed_memory_maximum
+            sim.allocator.empty_cache()  # as on CUDA: the cap applies to what the block needs
+            sim.allocator.allowed_memory_maximum = min(self.limit, self._previous or self.limit)
+        elif self.device.type == "cpu":
             self._tally = LEDGER.start()
             LEDGER.limits.append(self.limit)
         else:
@@ -59,7 +77,10 @@ class budget:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.reserved:
+            self._sim.allowed_memory_maximum = self._previous
+            LEDGER.stop(self._tally)
+        elif self.device.type == "cpu":
             LEDGER.limits.remove(self.limit)
             LEDGER.stop(self._tally)
         else:

@@ -111,6 +111,7 @@ class Ledger:
         self.limits: list[int] = []  # active budgets (gpukit.budget), in rounded bytes
         self.live = 0  # bytes of all known storages, unrounded
         self.live_rounded = 0
+        self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
         self._mode: _CountingMode | None = None
         self._orig_storage_resize = None
         self._tensors: dict[int, weakref.ref] = {}  # every tensor object found by a scan
@@ -154,6 +155,8 @@ class Ledger:
                 t.events.append((t.level, t.phase()))
 
     def _on_death(self, key: int) -> None:
+        if self.listener is not None:
+            self.listener.on_free(key)
         self._refs.pop(key, None)
         label = self.labels.pop(key, None)
         nbytes = self.sizes.pop(key, None)
@@ -162,6 +165,8 @@ class Ledger:
 
     def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool, label: str | None = None) -> None:
         key = id(storage)
+        if self.listener is not None:  # first: a simulated OOM leaves the storage untracked
+            self.listener.on_alloc(key, nbytes, counted)
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_death(key))
         self.sizes[key] = nbytes
         if label is not None:
@@ -195,6 +200,8 @@ class Ledger:
         elif known != nbytes:
             # Like the allocator: the new block exists before the old one is freed.
             self._check_budget(nbytes)
+            if self.listener is not None:
+                self.listener.on_resize(id(st), nbytes)
             label = self.labels.get(id(st))
             self.sizes[id(st)] = nbytes
             self._allocated(nbytes, label)

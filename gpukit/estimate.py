@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from .allocator import follow
 from .counter import FAKE_LEDGER, round_up
 from .report import format_bytes
 from .roles import RoleTracker
@@ -69,18 +70,29 @@ class Prediction:
     roles_end: dict[str, int]
     modules: list[dict] = field(default_factory=list)  # per-module parameters and outputs
     seconds: float = 0.0
+    reserved_peak: int | None = None  # the simulated CUDA caching allocator's reserved bytes at the step's peak
+    allocator_events: list = field(default_factory=list, repr=False)  # what it was fed (gpukit.allocator)
 
     def will_it_fit(self, sizes_gb=GPU_SIZES_GB, allowance: int = CONTEXT_ALLOWANCE):
-        """A table: the predicted peak plus the context allowance against GPU memory sizes (GB = 10^9 B)."""
+        """A table: against GPU memory sizes (GB = 10^9 B), whether the run fits once the caching allocator's
+        reserved memory is counted: its allocations replayed through a simulated allocator on a device of
+        that size less the context allowance (gpukit.allocator); "needed" is reserved at the peak plus it."""
         import pandas as pd
 
-        need = self.peak + allowance
+        from .allocator import replay_events
+
+        reserved = self.peak if self.reserved_peak is None else self.reserved_peak
+        need = reserved + allowance
         rows = []
         for gb in sizes_gb:
             cap = int(gb * 1e9)
+            fits = need <= cap
+            if self.allocator_events and cap > allowance:  # the allocator frees its cache before it fails
+                fits = replay_events(self.allocator_events, cap, context_bytes=allowance)[0]
             rows.append({"GPU memory": f"{gb} GB", "predicted peak": format_bytes(self.peak),
+                         "reserved at peak (simulated)": format_bytes(reserved),
                          "context allowance": format_bytes(allowance), "needed": format_bytes(need),
-                         "fits": need <= cap, "headroom": format_bytes(cap - need)})
+                         "fits": fits, "headroom": format_bytes(cap - need)})
         return pd.DataFrame(rows)
 
     def _rows(self) -> list[tuple[str, str]]:
@@ -88,6 +100,8 @@ class Prediction:
                 ("before the step", format_bytes(self.before_step)),
                 ("step peak above that", format_bytes(self.step_peak)),
                 ("predicted peak", f"{format_bytes(self.peak)}  ({self.peak:,} B)")]
+        if self.reserved_peak is not None:
+            rows.append(("reserved at the peak (simulated allocator)", format_bytes(self.reserved_peak)))
         rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
         rows.append(("prediction took", f"{self.seconds:.2f} s"))
         return rows
@@ -130,7 +144,7 @@ def predict(make_model: Callable[[], nn.Module],
     """
     t0 = time.perf_counter()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, follow(FAKE_LEDGER) as device:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
         batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
@@ -141,6 +155,7 @@ def predict(make_model: Callable[[], nn.Module],
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
+            watch = device.watch()
             try:
                 roles.start()
                 try:
@@ -149,13 +164,14 @@ def predict(make_model: Callable[[], nn.Module],
                     roles.stop()
             finally:
                 FAKE_LEDGER.stop(tally)
+                reserved_peak = device.unwatch(watch)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
     return Prediction(
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=device.events)
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .allocator import cpu_device
 from .counter import FAKE_LEDGER, LEDGER
 from .report import MemoryReport, record
 from .roles import RoleTracker
@@ -107,15 +108,23 @@ class _LedgerMeter:
         self.tally = None
 
     def start(self, report: MemoryReport) -> None:
+        sim = cpu_device() if self.ledger is LEDGER else None  # reserved memory, simulated (gpukit.allocator)
         self.tally = self.ledger.start(label=self.label)
         if self.phases is not None:
             self.tally.events, self.tally.phase = [], self.phases
         report.live_start = (self.ledger.live_rounded if self.label is None
                              else self.ledger.live_by_label.get(self.label, 0))
+        self.sim = sim if sim is not None and self.ledger.listener is sim else None
+        if self.sim is not None:
+            report.reserved_start, report.reserved_simulated = sim.allocator.memory_reserved(), True
+            self.watch = sim.watch()
 
     def stop(self, report: MemoryReport) -> None:
         self.ledger.stop(self.tally)
         _fill(report, self.tally)
+        if self.sim is not None:
+            report.reserved_peak = self.sim.unwatch(self.watch)
+            report.reserved_end = self.sim.allocator.memory_reserved()
 
 
 def _fill(report: MemoryReport, tally) -> None:

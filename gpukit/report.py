@@ -74,6 +74,7 @@ class MemoryReport:
     reserved_start: int | None = None  # CUDA only: bytes the caching allocator holds
     reserved_end: int | None = None
     reserved_peak: int | None = None
+    reserved_simulated: bool = False  # on CPU: reserved by a simulated CUDA caching allocator (gpukit.allocator)
     seconds: float = 0.0
     roles_peak: dict[str, int] | None = None
     roles_end: dict[str, int] | None = None
@@ -106,7 +107,8 @@ class MemoryReport:
             ("live at end", f"{format_bytes(self.live_end)}  ({self.live_end:,} B)"),
         ]
         if self.reserved_end is not None:
-            rows.append(("reserved (start / peak / end)",
+            rows.append(("reserved, simulated (start / peak / end)" if self.reserved_simulated else
+                         "reserved (start / peak / end)",
                          " / ".join(format_bytes(v) for v in
                                     (self.reserved_start, self.reserved_peak, self.reserved_end))))
         rows.append(("time", f"{self.seconds * 1e3:.1f} ms"))

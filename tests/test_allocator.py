@@ -1,0 +1,716 @@
+"""The simulated CUDA caching allocator (gpukit.allocator) against references written elsewhere.
+
+Device: a simulated CUDA GPU (gpukit.allocator.CachingAllocator); no real device is touched.
+
+1. Allocation sequences from PyTorch's own allocator tests (test/test_cuda.py, which
+   test/test_cuda_expandable_segments.py runs again with expandable segments on; and
+   c10/test/core/AllocatorConfig_test.cpp), each with the figures and outcomes PyTorch
+   asserts, run with expandable segments off and on as PyTorch's CI runs them.
+   Every PyTorch test ported here names its source test.
+2. Real traces recorded with torch.cuda.memory._record_memory_history on GPUs (data/traces/):
+   every allocation must land at the recorded address and every segment event must be the
+   recorded one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpukit.allocator import (AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError, format_size,
+                              load_snapshot, replay)
+
+MB = 1024 * 1024
+GPU = 80 * 1024**3  # an 80 GiB device (no real GPU's capacity is assumed by any assert below)
+TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
+
+
+def EXPANDABLE(test):
+    """Run a ported test twice, as PyTorch's CI does: test_cuda.py with expandable segments off, and
+    test_cuda_expandable_segments.py with them on (one pytest item: each item pays conftest's gc)."""
+    sig = inspect.signature(test)
+    params = [p for name, p in sig.parameters.items() if name != "expandable"]
+
+    def both(*args, **kwargs):
+        for expandable in (False, True):
+            try:
+                test(*args, expandable=expandable, **kwargs)
+            except BaseException as err:
+                err.add_note(f"with expandable_segments:{expandable}")
+                raise
+
+    both.__name__, both.__doc__, both.__module__ = test.__name__, test.__doc__, test.__module__
+    both.__signature__ = sig.replace(parameters=params)
+    return both
+
+
+
+def sim(expandable: bool = False, total=GPU, **kw) -> CachingAllocator:
+    return CachingAllocator(total, "expandable_segments:True" if expandable else "", **kw)
+
+
+def float32(n: int) -> int:
+    return 4 * n
+
+
+# -- 1. PyTorch's own tests ---------------------------------------------------------------------------------
+
+
+@EXPANDABLE
+def test_memory_stats(expandable):
+    """test_cuda.py TestCuda.test_memory_stats: 1 kB active, then freed."""
+    s = sim(expandable)
+    s.empty_cache()
+    s.reset_peak_stats()
+    s.reset_accumulated_stats()
+    prev_max_allocated, prev_max_reserved = s.max_memory_allocated(), s.max_memory_reserved()
+    assert s.memory_allocated() == prev_max_allocated and s.memory_reserved() == prev_max_reserved
+    prev_active = s.memory_stats()["active_bytes.all.current"]
+    tmp = s.malloc(float32(256))  # torch.randn(256, device="cuda")
+    assert s.memory_stats()["active_bytes.all.current"] == 1024 + prev_active
+    assert s.memory_stats()["active_bytes.all.freed"] == 0
+    s.free(tmp)
+    s.empty_cache()
+    assert s.memory_stats()["active_bytes.all.current"] == prev_active
+    assert s.memory_stats()["active_bytes.all.freed"] == 1024
+    s.reset_peak_stats()
+    assert s.max_memory_allocated() == prev_max_allocated
+    assert s.max_memory_reserved() == prev_max_reserved
+
+
+@EXPANDABLE
+def test_memory_allocation(expandable):
+    """test_cuda.py TestCuda.test_memory_allocation: caching_allocator_alloc(1), then delete."""
+    s = sim(expandable)
+    prev = s.memory_allocated()
+    mem = s.malloc(1)
+    assert s.memory_allocated() > prev
+    s.free(mem)
+    assert s.memory_allocated() == prev
+
+
+@EXPANDABLE
+def test_out_of_memory(expandable):
+    """test_cuda.py TestCuda.test_out_of_memory: the message for 800000000 GiB, and the 1 EB guard."""
+    s = sim(expandable)
+    s.malloc(float32(1024))
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of"):
+        s.malloc(1024 * 1024 * 1024 * 800000000)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate more than 1EB memory"):
+        s.malloc(1024 * 1024 * 1024 * 8000000000)
+
+
+@EXPANDABLE
+def test_out_of_memory_retry(expandable):
+    """test_cuda.py TestCuda.test_out_of_memory_retry: half the device twice fails, once freed it fits.
+
+    The real device holds a CUDA context besides the allocator's memory, which is what
+    makes two halves too much; the simulated one holds 500 MiB.
+    """
+    s = sim(expandable, context_bytes=500 * MB)
+    size = int(s.total_memory * 0.5)
+    a = s.malloc(size)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        s.malloc(size)
+    s.free(a)
+    b = s.malloc(size)
+    s.free(b)
+    s.empty_cache()
+    assert s.memory_reserved() == 0
+
+
+@EXPANDABLE
+def test_set_per_process_memory_fraction(expandable):
+    """test_cuda.py TestCuda.test_set_per_process_memory_fraction: 0.499 fits, 0.5 does not."""
+    s = sim(expandable)
+    with pytest.raises(TypeError, match="Invalid type"):
+        s.set_memory_fraction(1)
+    with pytest.raises(ValueError, match="Invalid fraction value"):
+        s.set_memory_fraction(-0.1)
+    with pytest.raises(ValueError, match="Invalid fraction value"):
+        s.set_memory_fraction(2.0)
+    tensor = s.malloc(float32(1024))
+    s.empty_cache()
+    total = s.total_memory
+    s.set_memory_fraction(0.5)
+    application = int(total * 0.499) - s.max_memory_reserved()
+    tmp = s.malloc(application)
+    s.free(tmp)
+    s.empty_cache()
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        s.malloc(int(total * 0.5))
+    s.free(tensor)
+
+
+@EXPANDABLE
+def test_caching_allocator_record_stream_oom(expandable):
+    """test_cuda.py TestCuda.test_caching_allocator_record_stream_oom (issue #19219).
+
+    Blocks freed while another stream uses them must still be reclaimed when cudaMalloc
+    fails. On an 8 GiB device the 100 x 160 MiB loop reaches that point, so the retry path runs.
+    """
+    s = sim(expandable, total=8 * 1024**3)
+    stream = 1
+    y = s.malloc(float32(40 * MB), stream)
+    for _ in range(100):
+        x = s.malloc(float32(40 * MB))
+        s.record_stream(x, stream)  # x.record_stream(stream); del x
+        s.free(x)
+    assert s.memory_stats()["num_alloc_retries"] > 0  # the case the test exists for was reached
+    s.free(y)
+    s.empty_cache()
+
+
+@EXPANDABLE
+def test_record_stream(expandable):
+    """test_cuda.py TestCuda.test_record_stream: not reused while the other stream may use it; reused after."""
+    s = sim(expandable)
+    side = 1
+    result = s.malloc(float32(4))
+    tmp = s.malloc(float32(4), side)  # t.cuda(non_blocking=True) on the side stream
+    ptr = tmp
+    s.record_stream(tmp, 0)  # tmp.record_stream(torch.cuda.current_stream())
+    s.free(tmp)
+    tmp2 = s.malloc(float32(4), side)
+    assert tmp2 != ptr, "allocation reused to soon"
+    s.synchronize()  # torch.cuda.current_stream().synchronize()
+    tmp3 = s.malloc(float32(4), side)
+    assert tmp3 == ptr, "allocation not reused"
+    for a in (result, tmp2, tmp3):
+        s.free(a)
+
+
+@EXPANDABLE
+def test_record_stream_on_shifted_view(expandable):
+    """test_cuda.py TestCuda.test_record_stream_on_shifted_view (issue #27366)."""
+    s = sim(expandable)
+    stream_alloc, stream_record = 1, 2
+    base = s.malloc(float32(2), stream_alloc)
+    s.record_stream(base, stream_record)  # view.record_stream(stream_record), a view of base
+    data_ptr = base
+    s.free(base)
+    # stream_alloc.synchronize() waits for stream_alloc only: stream_record may still use the block
+    try_realloc = s.malloc(float32(2), stream_alloc)
+    assert try_realloc != data_ptr
+
+
+@EXPANDABLE
+def test_memory_snapshot(expandable):
+    """test_cuda.py TestCudaMallocAsync.test_memory_snapshot: x is the second block of a segment,
+    found by its requested size at its address; empty_cache's last event frees a segment."""
+    rng = random.Random(0)
+    s = sim(expandable, record_history=True)
+    s.empty_cache()
+    s.free(s.malloc(float32(2 * 311 * 411)))  # torch.rand(2 * 311, 411), dropped at once
+    unused = s.malloc(float32(310 * 410))
+    x = s.malloc(float32(311 * 411))
+    tensors = [s.malloc(float32(128)) for _ in range(1000)]
+    while tensors:
+        s.free(tensors.pop(rng.randint(0, len(tensors) - 1)))
+    s.free(s.malloc(float32(128 * 5)))
+    found = []
+    for seg in s.snapshot()["segments"]:
+        for i, b in enumerate(seg["blocks"]):
+            if b["requested_size"] == 311 * 411 * 4:
+                found.append((b["address"], i))
+    assert found == [(x, 1)]  # the block at x's address, second in its segment
+    s.free(unused)
+    s.free(x)
+    s.empty_cache()
+    assert s.snapshot()["device_traces"][0][-1]["action"] in ("segment_free", "segment_unmap")
+
+
+def test_max_split_expandable():
+    """test_cuda.py TestCudaMallocAsync.test_max_split_expandable: 3 x 40 MiB fit a 120 MiB cap, a
+    fourth does not, and after freeing them 120 MiB fits (release_cached_blocks meets an
+    expandable segment in the free list)."""
+    s = sim(False)
+    total_allowed = 120 * MB + s.memory_reserved()
+    fraction = total_allowed / s.mem_get_info()[1]
+    assert int(round(fraction * s.total_memory)) == total_allowed
+    s.set_memory_fraction(fraction)
+    s.set_settings("expandable_segments:False,max_split_size_mb:40")
+    a = s.malloc(40 * MB)
+    s.set_settings("expandable_segments:True,max_split_size_mb:40")
+    b = s.malloc(40 * MB)
+    s.set_settings("expandable_segments:False,max_split_size_mb:40")
+    c = s.malloc(40 * MB)
+    with pytest.raises(torch.OutOfMemoryError):
+        s.malloc(40 * MB)
+    for t in (a, b, c):
+        s.free(t)
+    s.malloc(120 * MB)
+
+
+def test_garbage_collect_expandable():
+    """test_cuda.py TestCudaMallocAsync.test_garbage_collect_expandable: garbage collection with an
+    expandable block in the free list, then 80 MiB fits a 120 MiB cap."""
+    s = sim(False)
+    total_allowed = 120 * MB + s.memory_reserved()
+    fraction = total_allowed / s.mem_get_info()[1]
+    assert fraction * s.total_memory == total_allowed
+    s.set_memory_fraction(fraction)
+    s.set_settings("expandable_segments:False,garbage_collection_threshold:0.5")
+    a = s.malloc(40 * MB)
+    s.set_settings("expandable_segments:True,garbage_collection_threshold:0.5")
+    b = s.malloc(40 * MB)
+    s.free(a)
+    s.free(b)
+    s.malloc(80 * MB)
+
+
+def _power2_div(size: int, div_factor: int) -> int:
+    """test_allocator_settings's own helper, as written there."""
+    pow2 = 1
+    while pow2 < size:
+        pow2 = pow2 * 2
+    if pow2 == size:
+        return pow2
+    step = pow2 / 2 / div_factor
+    ret = pow2 / 2
+    while ret < size:
+        ret = ret + step
+    return ret
+
+
+@EXPANDABLE
+def test_allocator_settings(expandable):
+    """test_cuda.py TestCudaMallocAsync.test_allocator_settings: roundup_power2_divisions, single value
+    and array syntax; a new settings string resets the others; bad settings are refused."""
+    s = sim(expandable)
+    key_allocated, key_requested = "active_bytes.all.allocated", "requested_bytes.all.allocated"
+    es = "expandable_segments:True," if expandable else ""  # test_cuda_expandable_segments keeps it on
+    nelems = 21 * 1024 * 1024
+    nbytes = 4 * nelems
+    nbytes_big = 4 * 100 * 1024 * 1024
+    live = []
+    start_mem = s.memory_stats()[key_allocated]
+    s.set_settings(es)
+    live.append(s.malloc(nbytes))
+    reg_mem = s.memory_stats()[key_allocated]
+    start_requested = s.memory_stats()[key_requested]
+    s.set_settings(es + "roundup_power2_divisions:4")
+    live.append(s.malloc(nbytes))
+    pow2_div4_mem = s.memory_stats()[key_allocated]
+    current_requested = s.memory_stats()[key_requested]
+    assert reg_mem - start_mem == nbytes
+    assert pow2_div4_mem - reg_mem == _power2_div(nbytes, 4)
+    assert current_requested - start_requested == nbytes
+
+    s.set_settings(es + "garbage_collection_threshold:0.5")
+    s.set_settings(es + "garbage_collection_threshold:0.5,max_split_size_mb:40")
+    s.empty_cache()
+    start_mem = s.memory_stats()[key_allocated]
+    live.append(s.malloc(nbytes))
+    assert s.memory_stats()[key_allocated] - start_mem == nbytes  # the divisions were reset
+
+    s.empty_cache()
+    s.set_settings(es + "garbage_collection_threshold:0.5,roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
+    start_mem = s.memory_stats()[key_allocated]
+    live.append(s.malloc(nbytes))
+    assert s.memory_stats()[key_allocated] - start_mem == _power2_div(nbytes, 8)
+    s.empty_cache()
+    start_mem = s.memory_stats()[key_allocated]
+    live.append(s.malloc(nbytes_big))
+    assert s.memory_stats()[key_allocated] - start_mem == _power2_div(nbytes_big, 2)
+
+    s.empty_cache()
+    s.set_settings(es + "release_lock_on_cudamalloc:True")
+    start_mem = s.memory_stats()[key_allocated]
+    live.append(s.malloc(nbytes))
+    assert s.memory_stats()[key_allocated] - start_mem == nbytes
+
+    for bad in ("foo:1,bar:2", "garbage_collection_threshold:1.2", "max_split_size_mb:2",
+                "release_lock_on_cudamalloc:none", "pinned_use_cuda_host_register:none",
+                "pinned_num_register_threads:none", "pinned_num_register_threads:1024"):
+        with pytest.raises(ValueError):
+            s.set_settings(bad)
+
+
+@pytest.mark.parametrize("max_split_size_mb_setting", [False, True])
+@EXPANDABLE
+def test_raises_oom(expandable, max_split_size_mb_setting):
+    """test_cuda.py TestCudaMallocAsync.test_raises_oom: a 4 TiB request, with and without max_split_size_mb."""
+    s = sim(expandable)
+    if max_split_size_mb_setting:
+        s.set_settings(("expandable_segments:True," if expandable else "") + "max_split_size_mb:1024")
+        s.empty_cache()
+    with pytest.raises(torch.OutOfMemoryError):
+        s.malloc(float32(1024 * 1024 * 1024 * 1024))
+    assert s.memory_stats()["num_ooms"] == 1
+
+
+def _check_consistent(s: CachingAllocator, live: dict[int, int]) -> None:
+    """No two live blocks overlap, and the statistics add up to what the segments hold."""
+    spans = []
+    allocated = reserved = 0
+    for seg in s.segments():
+        reserved += seg["total_size"]
+        at = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == at, "blocks of a segment tile it"
+            at += b["size"]
+            if b["state"] == "active_allocated":
+                allocated += b["size"]
+                spans.append((b["address"], b["address"] + b["size"]))
+    spans.sort()
+    assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))
+    assert sorted(live) == sorted(a for a, _ in spans)
+    assert s.memory_allocated() == allocated and s.memory_reserved() == reserved
+
+
+@EXPANDABLE
+def test_allocator_fuzz(expandable):
+    """test_cuda.py TestCudaMallocAsync.test_allocator_fuzz: 10000 random allocations of 2-20 MiB,
+    frees and empty_cache calls under 1 GiB, as seeded there (random.seed(123)); PyTorch checks
+    that no tensor is overwritten, here: no two live blocks overlap and the statistics add up."""
+    rng = random.Random(123)
+    s = sim(expandable)
+    mem: list[tuple[int, int]] = []
+    total = 0
+    for step in range(10000):
+        while total >= 1024 * 1024 * 1024 / (4 * 10):
+            _, n = mem.pop(rng.randrange(0, len(mem)))
+            total -= n
+            s.free(_)
+        action = rng.choices(["alloc", "free", "empty_cache"], weights=[1, 1 if mem else 0, 0.1])[0]
+        if action == "alloc":
+            b = rng.randrange(2 * 1024 * 1024 // 4, 20 * 1024 * 1024 // 4)
+            mem.append((s.malloc(4 * b), b))
+            total += b
+        elif action == "free":
+            a, n = mem.pop(rng.randrange(0, len(mem)))
+            s.free(a)
+            total -= n
+        else:
+            s.empty_cache()
+        if step % 1000 == 0:
+            _check_consistent(s, {a: n for a, n in mem})
+    _check_consistent(s, {a: n for a, n in mem})
+    for a, _ in mem:
+        s.free(a)
+    s.empty_cache()
+    assert s.memory_reserved() == 0 and s.memory_allocated() == 0
+
+
+@EXPANDABLE
+def test_small_allocations_pack_into_2mib_segments(expandable):
+    """test_cuda.py TestMemPool.test_mempool_with_allocator's comments, in the default pool: a 1 MiB
+    allocation packs into a 2 MiB segment, a second 1 MiB one into the same segment, a third needs
+    a new one. And TestMemPool.test_mempool_ctx_multithread: two 1 MiB blocks, 2 MiB active."""
+    s = sim(expandable)
+    nelem_1mb = 1024 * 1024 // 4
+    out_0 = s.malloc(float32(nelem_1mb))
+    assert len(s.segments()) == 1
+    out_1 = s.malloc(float32(nelem_1mb))
+    assert len(s.segments()) == 1
+    assert [seg["active_size"] for seg in s.segments()] == [2097152]
+    out_2 = s.malloc(float32(nelem_1mb))
+    assert len(s.segments()) == (1 if expandable else 2)  # an expandable segment grows instead
+    for a in (out_0, out_1, out_2):
+        s.free(a)
+
+
+def test_mempool_no_split_default_pool_splits():
+    """test_cuda.py TestMemPool.test_mempool_no_split, its splitting pool: two 4 MiB allocations share
+    one 20 MiB segment, which then holds three blocks (the rest is a free block)."""
+    s = sim(False)
+    nelem_1mb = 1024 * 1024 // 4
+    s.malloc(float32(4 * nelem_1mb))
+    s.malloc(float32(4 * nelem_1mb))
+    segs = s.segments()
+    assert [seg["total_size"] for seg in segs] == [20 * MB]
+    assert len(segs[0]["blocks"]) == 3
+
+
+def test_allocator_config_parse():
+    """c10/test/core/AllocatorConfig_test.cpp: the values parsed from a settings string (the keys of
+    the device allocator; the pinned-memory and backend keys of that test change nothing simulated)."""
+    cfg = AllocatorConfig.parse("max_split_size_mb:40,max_non_split_rounding_mb:30,garbage_collection_threshold:0.5,"
+                                "roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1],expandable_segments:True")
+    assert cfg.max_split_size == 40 * MB
+    assert cfg.max_non_split_rounding_size == 30 * MB
+    assert cfg.garbage_collection_threshold == 0.5
+    assert cfg.expandable_segments is True
+    expected = {32: 8, 64: 8, 128: 2, 256: 4, 512: 2, 1024: 4, 2048: 1, 4096: 1, 8192: 1}
+    assert {mb: cfg.divisions_for(mb * MB) for mb in expected} == expected
+    cfg = AllocatorConfig.parse("max_split_size_mb:20,max_non_split_rounding_mb:40,garbage_collection_threshold:0.8")
+    assert (cfg.max_split_size, cfg.max_non_split_rounding_size, cfg.garbage_collection_threshold) == \
+        (20 * MB, 40 * MB, 0.8)
+
+
+# -- 2. Recorded traces from real GPUs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TRACES.glob("*.json.gz")))
+def test_replay_of_a_recorded_trace_matches_every_event(name):
+    """Every allocation of a real run lands at the address the real allocator gave it, every
+    segment it created or freed is created or freed here, and the final segments are identical."""
+    rep = replay(load_snapshot(TRACES / name))
+    assert rep.allocs > 1000
+    assert rep.allocs_same_address == rep.allocs, rep.mismatches[:3]
+    assert rep.segment_events_matched == rep.segment_events_recorded, rep.mismatches[:3]
+    assert rep.final_segments_matched == rep.final_segments > 0
+
+
+def test_replay_tells_a_different_policy_apart():
+    """The replay check has teeth: the same trace under another policy (no splitting of blocks of
+    20 MiB or more) puts allocations elsewhere."""
+    snap = load_snapshot(TRACES / "memory_files_memory_ctx128_fullstep.json.gz")
+    snap["allocator_settings"] = dict(snap["allocator_settings"], max_split_size=20 * MB)
+    rep = replay(snap)
+    assert rep.allocs_same_address < rep.allocs
+
+
+# -- the module's own behaviour -------------------------------------------------------------------------------
+
+
+def test_rounding_pools_and_segment_sizes():
+    """512 B rounding, the small pool in 2 MiB segments, 20 MiB segments under 10 MiB, 2 MiB rounding above."""
+    s = sim()
+    assert s.round_size(1) == 512 and s.round_size(513) == 1024
+    assert [s.get_allocation_size(n) for n in (512, MB, MB + 512, 10 * MB - 512, 10 * MB, 11 * MB + 1)] == \
+        [2 * MB, 2 * MB, 20 * MB, 20 * MB, 10 * MB, 12 * MB]
+    a = s.malloc(MB + 1)  # large pool: a 20 MiB segment, split
+    assert s.memory_reserved() == 20 * MB and s.memory_allocated() == MB + 512
+    st = s.memory_stats()
+    assert st["inactive_split_bytes.large_pool.current"] == 20 * MB - (MB + 512)
+    assert st["segment.large_pool.current"] == 1 and st["segment.small_pool.current"] == 0
+    s.free(a)
+    assert s.memory_stats()["inactive_split.all.current"] == 0  # merged back: one unsplit free block
+    s.empty_cache()
+    assert s.memory_reserved() == 0
+
+
+def test_should_split_keeps_a_remainder_of_1mib_or_less():
+    """A large block is split only when more than 1 MiB would remain (kSmallSize)."""
+    s = sim()
+    a = s.malloc(12 * MB)  # a 12 MiB segment
+    s.free(a)
+    b = s.malloc(11 * MB)  # 1 MiB would remain: the whole 12 MiB block is handed out
+    assert s.memory_allocated() == 12 * MB
+    s.free(b)
+    c = s.malloc(10 * MB + 512)  # more than 1 MiB remains: split
+    assert s.memory_allocated() == 10 * MB + 512
+    s.free(c)
+
+
+def test_streams_have_their_own_pools():
+    s = sim()
+    a = s.malloc(MB + 1, stream=0)
+    s.free(a)
+    s.malloc(MB + 1, stream=1)
+    assert s.memory_reserved() == 40 * MB  # the cached block of stream 0 is not used by stream 1
+
+
+def test_oom_message_text_and_figures():
+    """CUDA's message, figure by figure, with a per-process fraction and fragmentation."""
+    s = CachingAllocator("16 GiB", context_bytes="500 MiB", fraction=0.25)
+    blocks = [s.malloc(6 * MB) for _ in range(612)]  # three per 20 MiB segment: 204 segments, 4080 MiB
+    for i, b in enumerate(blocks):
+        if i % 3 != 2:
+            s.free(b)  # each segment: 12 MiB free, 6 MiB in use, 2 MiB free: nothing can be released
+    assert s.memory_reserved() == 204 * 20 * MB and s.memory_allocated() == 204 * 6 * MB
+    with pytest.raises(SimulatedOutOfMemoryError) as err:
+        s.malloc(18 * MB)  # its own 18 MiB segment would pass the 4 GiB cap
+    msg = str(err.value)
+    assert msg == ("CUDA out of memory. Tried to allocate 18.00 MiB. GPU 0 has a total capacity of 16.00 GiB of which "
+                   "11.53 GiB is free. Including non-PyTorch memory, this process has 4.47 GiB memory in use. "
+                   "4.00 GiB allowed; Of the allocated memory 1.20 GiB is allocated by PyTorch, and 2.79 GiB is "
+                   "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+                   "Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html"
+                   "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+    # the figures: free = 16 GiB - 500 MiB - 4080 MiB; in use = 4080 MiB + 500 MiB; 1224 MiB allocated
+    assert format_size(16 * 1024 * MB - 500 * MB - 4080 * MB) == "11.53 GiB"
+    assert format_size(4580 * MB) == "4.47 GiB" and format_size(1224 * MB) == "1.20 GiB"
+    assert format_size(4080 * MB - 1224 * MB) == "2.79 GiB"
+    st = s.memory_stats()
+    assert st["num_ooms"] == 1 and st["num_alloc_retries"] == 1
+
+
+def test_format_size_matches_c10():
+    assert [format_size(n) for n in (0, 1024, 1025, MB, MB + 1, 1024**3, 1024**3 + 1)] == \
+        ["0 bytes", "1024 bytes", "1.00 KiB", "1024.00 KiB", "1.00 MiB", "1024.00 MiB", "1.00 GiB"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", None, True])
+def test_malloc_refuses_what_is_not_a_size(bad):
+    with pytest.raises(ValueError, match="malloc takes a size"):
+        sim().malloc(bad)
+
+
+def test_free_refuses_an_unknown_or_freed_address():
+    s = sim()
+    a = s.malloc(10)
+    s.free(a)
+    with pytest.raises(ValueError, match="invalid device pointer"):
+        s.free(a)
+    with pytest.raises(ValueError, match="invalid device pointer"):
+        s.free(12345)
+
+
+def test_load_snapshot_refuses_code(tmp_path):
+    """A snapshot pickle holds plain data; one that would build an object is refused, never run."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps({"segments": [Evil()]}))
+    with pytest.raises(ValueError, match="refused"):
+        load_snapshot(path)
+    path.write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(ValueError, match="no 'segments'"):
+        load_snapshot(path)
+
+
+def test_expandable_segments_grow_and_unmap():
+    """One segment per stream that grows by 20 MiB pages (large pool) and gives back whole free pages."""
+    s = sim(True, record_history=True)
+    a = s.malloc(30 * MB)
+    b = s.malloc(30 * MB)
+    assert s.memory_reserved() == 60 * MB  # 30 + 30 mapped in 20 MiB pages, one segment
+    assert len(s.segments()) == 1 and s.segments()[0]["is_expandable"]
+    s.free(a)
+    s.free(b)
+    s.empty_cache()
+    assert s.memory_reserved() == 0
+    assert [e[0] for e in s.trace if e[0].startswith("segment")] == ["segment_map", "segment_map", "segment_unmap"]
+
+
+# -- driven by the CPU counter: measure() and budget() on a CPU ----------------------------------------------
+
+
+def test_measure_on_cpu_reports_simulated_reserved():
+    """Device: cpu, with the simulated GPU behind it. A 64 MiB tensor takes a 66 MiB segment (rounded to
+    2 MiB); deleting it leaves the segment cached; empty_cache gives it back."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    dev = reset_cpu_device("16 GiB")
+    try:
+        with gpukit.measure("cpu", record=False) as r:
+            x = torch.empty(64 * MB + 1, dtype=torch.uint8, device="cpu")
+            del x
+        assert r.reserved_simulated and "reserved, simulated" in repr(r)
+        assert r.peak == 64 * MB + 512
+        assert r.reserved_peak - r.reserved_start == 66 * MB
+        assert r.reserved_end == r.reserved_peak  # cached, not given back
+        dev.allocator.empty_cache()
+        assert dev.allocator.memory_reserved() == r.reserved_start
+    finally:
+        reset_cpu_device()
+
+
+def test_budget_reserved_on_cpu_raises_cudas_oom_and_leaves_the_counter_consistent():
+    """Device: cpu. budget(reserved=True) caps the simulated reserved memory: fragmentation that leaves
+    enough free bytes in total still fails, with CUDA's message; the failed tensor is not counted."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+    from gpukit.counter import LEDGER
+
+    dev = reset_cpu_device("16 GiB")
+    base = dev.allocator.memory_reserved()  # CPU tensors that already exist hold segments too
+    try:
+        with gpukit.budget(base + 190 * MB, device="cpu", reserved=True):
+            blocks = [torch.empty(6 * MB, dtype=torch.uint8, device="cpu") for _ in range(27)]  # 9 x 20 MiB
+            del blocks[0::3], blocks[0::2]  # every segment keeps one 6 MiB block: nothing to release
+            live = LEDGER.live_rounded
+            with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 18.00 MiB") as e:
+                torch.empty(18 * MB, dtype=torch.uint8, device="cpu")
+            assert f"{format_size(base + 190 * MB)} allowed" in str(e.value)
+            assert LEDGER.live_rounded == live
+            del blocks
+    finally:
+        reset_cpu_device()
+
+
+def test_budget_reserved_is_cpu_only():
+    import gpukit
+
+    with pytest.raises(ValueError, match="reserved=True"):
+        gpukit.budget("1 GiB", device="meta", reserved=True)
+
+
+def test_predict_gives_reserved_at_the_peak_and_will_it_fit_replays_it():
+    """Device: a simulated GPU fed by predict()'s fake tensors (nothing allocated). Reserved memory at the
+    peak covers the allocated peak; will_it_fit replays the allocations on each size: a device that holds
+    the allocated peak but not what the allocator needs does not fit."""
+    from torch import nn
+
+    from gpukit.estimate import predict
+
+    p = predict(lambda: nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                      nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)),
+                lambda ps: torch.optim.Adam(ps), lambda: (torch.randn(512, 64), torch.randint(0, 10, (512,))))
+    assert p.reserved_peak >= p.peak > 0 and p.allocator_events
+    below, between, above = p.peak - 2 * MB, (p.peak + p.reserved_peak) // 2, p.reserved_peak + 2 * MB
+    table = p.will_it_fit(sizes_gb=(below / 1e9, between / 1e9, above / 1e9), allowance=0)
+    assert list(table["fits"]) == [False, False, True]
+    assert "reserved, simulated" in repr(p) or "simulated allocator" in repr(p)
+
+
+def test_ctrl_c_inside_the_simulation_leaves_measure_usable(monkeypatch):
+    """Device: cpu. A KeyboardInterrupt in the middle of a simulated malloc reaches the user; the counter
+    is switched off, and the next measure() starts a fresh simulated device and reports reserved memory."""
+    import gpukit
+    from gpukit import allocator
+    from gpukit.counter import LEDGER
+
+    dev = allocator.reset_cpu_device()
+    real = dev.allocator.malloc
+
+    def interrupted(size, stream=0):
+        monkeypatch.setattr(dev.allocator, "malloc", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dev.allocator, "malloc", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with gpukit.measure("cpu", record=False):
+                torch.empty(3 * MB, dtype=torch.uint8, device="cpu")
+        assert not LEDGER.active and dev.failed and LEDGER.listener is None
+        with gpukit.measure("cpu", record=False) as r:
+            x = torch.empty(3 * MB, dtype=torch.uint8, device="cpu")
+        assert r.reserved_simulated and r.reserved_end >= r.live_end and allocator.cpu_device() is not dev
+        del x
+    finally:
+        allocator.reset_cpu_device()
+
+
+def test_garbage_collection_threshold_frees_old_cached_blocks_before_growing():
+    """garbage_collection_threshold (with a per-process cap): past threshold x cap, cached unsplit blocks at
+    least as old as the average (counted in free-block searches) go back before a new segment is made."""
+    for gc, expected in (("", 100 * MB), ("garbage_collection_threshold:0.5", 40 * MB)):
+        s = CachingAllocator("80 GiB", gc, fraction=100 * MB / (80 * 1024**3))
+        a, b = s.malloc(30 * MB), s.malloc(30 * MB)
+        s.free(a)
+        s.free(b)  # 60 MiB cached, above half the 100 MiB cap
+        s.malloc(40 * MB)  # no cached block fits: with gc both old blocks go first, then a 40 MiB segment
+        assert s.memory_reserved() == expected, gc
+        assert s.memory_stats()["num_device_free"] == (2 if gc else 0)
+
+
+def test_a_cpu_run_bigger_than_the_simulated_gpu_is_not_failed():
+    """Device: cpu. Without a cap the user set, a simulated GPU too small for the run stops simulating
+    (with a warning) instead of failing a real CPU program."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    dev = reset_cpu_device("64 MiB")
+    try:
+        with pytest.warns(RuntimeWarning, match="no longer simulated"):
+            with gpukit.measure("cpu", record=False) as r:
+                x = torch.empty(100 * MB, dtype=torch.uint8, device="cpu")
+        assert r.peak == 100 * MB and dev.failed
+        del x
+    finally:
+        reset_cpu_device()
