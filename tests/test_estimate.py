@@ -37,7 +37,7 @@ def test_prediction_breaks_the_state_down_by_role():
 
 def test_a_billion_parameter_model_is_predicted_without_allocating_it():
     cfg = GPTConfig(vocab_size=32000, block_size=512, n_layer=16, n_head=16, n_embd=2048)
-    with gpukit.measure(record=False) as real:
+    with gpukit.measure("cpu", record=False) as real:
         p = predict(lambda: TinyGPT(cfg), lambda q: torch.optim.AdamW(q),
                     lambda: (torch.zeros(4, 512, dtype=torch.long), torch.zeros(4, 512, dtype=torch.long)))
     assert p.parameters > 800_000_000
