@@ -123,6 +123,10 @@ def _wrap(name: str, model: nn.Module, ctx: RankContext, lr: float):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     policy = {}
+    if ctx.device.type == "cpu":  # gloo ranks: FSDP's default mesh would be built on the accelerator
+        from torch.distributed.device_mesh import init_device_mesh
+
+        policy["mesh"] = init_device_mesh("cpu", (ctx.world_size,))
     if name == "fsdp-bf16":
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "fsdp-offload":
