@@ -256,3 +256,13 @@ def test_the_default_device_is_the_current_gpu_when_there_is_one_else_the_cpu(mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert default_device() == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("nbytes, low, high", [(1, 512, 512), (2**20, 2**20, 2**20),
+                                               (2**20 + 1, 2**20 + 512, 2**21 + 512),
+                                               (64 * 2**20, 64 * 2**20, 65 * 2**20)])
+def test_cuda_counts_small_requests_exactly_and_large_ones_up_to_a_mib_more(nbytes, low, high):
+    # c10/cuda/CUDACachingAllocator.cpp: kSmallSize = 1 MiB; a large block is split only if > 1 MiB remains.
+    from gpukit.counter import cuda_allocated_range
+
+    assert cuda_allocated_range(nbytes) == (low, high)
