@@ -92,6 +92,16 @@ def test_gauge_follows_current_and_peak_against_the_budget():
     assert "step 3" in repr(gauge) and "budget" in gauge.text()
 
 
+def test_on_cuda_the_gauge_holds_reserved_bytes_against_the_budget_as_a_cuda_budget_caps_them():
+    # A CUDA report: allocated well under the budget, reserved (live + cache) over it.
+    gauge = MemoryGauge(budget=10_000)
+    gauge.update(gpukit.MemoryReport(device="cuda:0", live_start=1000, peak=4000, delta=0, live_end=1000,
+                                     reserved_start=8000, reserved_peak=12_000, reserved_end=12_000))
+    assert gauge.highest_peak == 5000 and gauge.capped == 12_000
+    assert gauge._peak_bar.bar_style == "danger" and gauge._peak_bar.description == "reserved"
+    assert "reserved 11.72 KiB" in gauge.text()
+
+
 def test_the_explorer_measures_each_technique_and_shows_it():
     from gpukit.data import digits_batch
     from gpukit.widgets import TechniqueExplorer
