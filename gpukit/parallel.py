@@ -151,6 +151,7 @@ def run_experiment(name: str, ctx: RankContext, batch: int = 1024, width: int = 
         optimizer.step()
         return loss.item()
 
+    gpukit.warm_up(ctx.device)  # on a GPU: cuBLAS's one-time workspaces are not the model's memory
     with gpukit.measure(ctx.device, record=False) as whole:
         model, optimizer = _wrap(name, make_model(width, depth, seed, ctx.device), ctx, lr)
         first_loss = train_step()  # the first step also creates the optimizer state
