@@ -37,6 +37,8 @@ def warm_up(device: str | torch.device | int | None = None) -> int:
         The bytes it left allocated on the device (the workspaces it made). 0 on the CPU and on
         ``meta``, which have no such workspaces, and 0 on a GPU that was already warm.
     """
+    from torch.utils.checkpoint import checkpoint
+
     dev = resolve_device(device)
     if dev.type != "cuda":
         return 0
@@ -46,7 +48,7 @@ def warm_up(device: str | torch.device | int | None = None) -> int:
         linear = torch.nn.Linear(64, 64, device=dev)
         conv = torch.nn.Conv2d(3, 8, 3, device=dev)
         x = torch.randn(32, 64, device=dev, requires_grad=True)
-        out = torch.utils.checkpoint.checkpoint(linear, x, use_reentrant=False) @ linear.weight
+        out = checkpoint(linear, x, use_reentrant=False) @ linear.weight
         out.sum().backward()
         conv(torch.randn(2, 3, 16, 16, device=dev)).sum().backward()
         del linear, conv, x, out
