@@ -146,5 +146,7 @@ def test_on_a_gpu_nested_blocks_and_pre_existing_frees():
         with gpukit.measure("cuda") as inner:
             t = torch.empty(250_000, device="cuda")
             del t
-    assert (outer.peak, outer.delta) == (1_000_448, 0)
-    assert (inner.peak, inner.delta) == (1_000_448, 0)
+    assert (outer.peak_unrounded, outer.delta_unrounded) == (1_000_000, 0)
+    # 1,000,000 B is a small-pool request: allocated exactly as rounded. The 40 MB one is large: freed and made
+    # again, it may get a block of another size than the one it had (should_split), so only requested is exact.
+    assert (inner.peak, inner.delta, inner.peak_unrounded) == (1_000_448, 0, 1_000_000)
