@@ -115,11 +115,12 @@ def bench(args: list[str]) -> int:
 
 
 GPU_PROBE = """
-import json, torch, gpukit
-from gpukit.warmup import cublas_workspace_bytes
+import json, torch
 ok = torch.cuda.is_available()
 info = {"cuda": ok, "torch": torch.__version__, "cuda_version": torch.version.cuda}
 if ok:
+    import gpukit
+    from gpukit.warmup import cublas_workspace_bytes
     info.update(name=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 devices=torch.cuda.device_count(), workspace=cublas_workspace_bytes("cuda"),
                 first_warm_up=gpukit.warm_up("cuda"), second_warm_up=gpukit.warm_up("cuda"))
