@@ -5,6 +5,8 @@
     python3 kit.py test     create/update .venv, then run every test (pytest + nbval)
     python3 kit.py bench    create/update .venv, then run the benchmarks in bench/
     python3 kit.py setup    only create/update .venv
+    python3 kit.py gpu-check   on a GPU machine: the whole suite on CUDA, the exactness benchmark, the
+                               technique matrix recorded in data/runs/, and a report of what differed
 
 Extra arguments after the command go to JupyterLab, pytest or the benchmark.
 
@@ -112,8 +114,89 @@ def bench(args: list[str]) -> int:
     return subprocess.run([str(VENV_PY), str(ROOT / "bench" / "run.py"), *args], cwd=ROOT).returncode
 
 
+GPU_PROBE = """
+import json, torch
+ok = torch.cuda.is_available()
+info = {"cuda": ok, "torch": torch.__version__, "cuda_version": torch.version.cuda}
+if ok:
+    import gpukit
+    from gpukit.warmup import cublas_workspace_bytes
+    info.update(name=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                devices=torch.cuda.device_count(), workspace=cublas_workspace_bytes("cuda"),
+                first_warm_up=gpukit.warm_up("cuda"), second_warm_up=gpukit.warm_up("cuda"))
+print(json.dumps(info))
+"""
+
+
+def gpu_check(args: list[str]) -> int:
+    """Prove the kit on this machine's GPU: the whole suite (notebooks on CUDA), the exactness benchmark, the
+    technique matrix recorded in data/runs/, and a short report of everything that differed from what the CPU
+    runs expect, in data/runs/<gpu>-gpu-check.txt (commit it with the recorded run)."""
+    import csv
+    import json
+    import re
+    import xml.etree.ElementTree as ET
+
+    probe = subprocess.run([str(VENV_PY), "-c", GPU_PROBE], cwd=ROOT, capture_output=True, text=True)
+    if probe.returncode != 0:
+        print(probe.stderr[-2000:], file=sys.stderr)
+        return probe.returncode
+    info = json.loads(probe.stdout.strip().splitlines()[-1])
+    if not info["cuda"]:
+        print(f"kit.py gpu-check: .venv's torch {info['torch']} sees no CUDA GPU. Run kit.py with the python3 "
+              "that has this machine's CUDA torch (python3 -c 'import torch; print(torch.cuda.is_available())' "
+              "says True), or install a CUDA build of torch into .venv.", file=sys.stderr)
+        return 2
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    junit = out / "gpu-check-junit.xml"
+    lines = [f"gpukit gpu-check: {info['name']} (sm_{''.join(map(str, info['capability']))}, "
+             f"{info['devices']} GPU(s)), torch {info['torch']}, CUDA {info['cuda_version']}"]
+
+    # 1. The whole suite, the notebooks on CUDA.
+    junit.unlink(missing_ok=True)  # never read a record left by an earlier run
+    tests = test(["-m", "not browser", "-p", "no:cacheprovider", f"--junitxml={junit}", *args])
+    failed, skipped, total = [], [], 0
+    if not junit.exists():
+        failed.append(f"  pytest wrote no record (exit {tests}): run python3 kit.py test to see why")
+    for case in (ET.parse(junit).getroot().iter("testcase") if junit.exists() else ()):
+        total += 1
+        name = f"{case.get('classname')}::{case.get('name')}"
+        for kind, into in (("failure", failed), ("error", failed), ("skipped", skipped)):
+            found = case.find(kind)
+            if found is not None:
+                why = ((found.get("message") or kind).splitlines() or [kind])[0][:200]
+                into.append(f"  {kind}: {name}: {why}")
+    lines.append(f"tests: {total - len(failed) - len(skipped)} passed, {len(failed)} failed, {len(skipped)} skipped"
+                 f" (pytest exit {tests}); on the CPU every test passes and only the CUDA tests skip")
+    lines += failed + skipped
+
+    # 2. cuBLAS's workspaces (gpukit.warm_up): expected at least one per thread that multiplied.
+    first, size = info["first_warm_up"], info["workspace"]
+    note = "as expected" if size <= first <= 2 * size + 4 * 2**20 else "NOT between 1 and 2 workspaces (+ cuBLASLt's)"
+    lines.append(f"warm-up: the first matmuls left {first:,} B allocated = {first / size:.2f} x the {size:,} B "
+                 f"cuBLAS workspace ({note}); the second warm-up {info['second_warm_up']:,} B (expected 0)")
+
+    # 3. The exactness benchmark (CUDA: the meter against the allocator's own trace) and the technique matrix.
+    code = bench(["exactness", "techniques", "--record"])
+    lines.append(f"benchmarks: exactness and techniques (exit {code}); the technique matrix is in data/runs/")
+    exact = out / "exactness.csv"
+    if exact.exists():
+        with open(exact) as f:
+            for row in csv.DictReader(f):
+                if row.get("within_0.1%") != "True":
+                    lines.append(f"  exactness off: {row['setup']} on {row['device']}: {row['meter_bytes']} B "
+                                 f"against {row['reference_bytes']} B ({row['reference']})")
+    slug = re.sub(r"[^a-z0-9]+", "-", info["name"].lower()).strip("-")
+    report = ROOT / "data" / "runs" / f"{slug}-gpu-check.txt"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\nreport written to {report.relative_to(ROOT)}")
+    return 1 if failed or tests not in (0, 5) or code != 0 else 0
+
+
 def main(argv: list[str]) -> int:
-    commands = ("lab", "test", "bench", "setup")
+    commands = ("lab", "test", "bench", "setup", "gpu-check")
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -125,6 +208,8 @@ def main(argv: list[str]) -> int:
         return test(rest)
     if command == "bench":
         return bench(rest)
+    if command == "gpu-check":
+        return gpu_check(rest)
     return 0
 
 

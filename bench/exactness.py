@@ -2,8 +2,9 @@
 
 For each reference setup (gpukit.models.reference_cases), in the steady state (gradients and
 optimizer state exist): the CPU counter's peak (unrounded: as requested) against PyTorch's own
-MemTracker measuring the same step; and, on a machine with CUDA, gpukit.measure('cuda')'s peak
-against torch.cuda.max_memory_allocated() above memory_allocated() at the start, read directly.
+MemTracker measuring the same step; and, on a machine with CUDA, gpukit.measure('cuda')'s peak of
+requested bytes (from the allocator's statistics) against the same peak replayed from the allocator's own
+trace of allocations and frees (torch.cuda.memory._record_memory_history), after gpukit.warm_up.
 Difference in bytes and percent; the kit promises agreement within 0.1%.
 Writes bench/out/exactness.csv.
 
@@ -37,14 +38,34 @@ def steady_state(make_model, make_optimizer, make_batch, device: torch.device):
     return model, optimizer, batch
 
 
-def cuda_peak(run, device: torch.device) -> int:
-    """Peak bytes of ``run()`` above its start, read from torch.cuda's own counters (no gpukit)."""
+def allocator_trace_peak(run, device: torch.device) -> int:
+    """Peak requested bytes of ``run()`` above its start, replayed from the CUDA caching allocator's own log of
+    allocations and frees (``torch.cuda.memory._record_memory_history`` and ``_snapshot()['device_traces']``).
+
+    Independent of the statistics gpukit reads (``memory_stats``' counters): each 'alloc' event carries the
+    size requested and each 'free_requested' the same size again (c10/cuda/CUDACachingAllocator.cpp,
+    ``record_trace(TraceEntry::ALLOC, ..., orig_size, ...)`` and ``FREE_REQUESTED ... block->requested_size``),
+    so the replay is compared with gpukit's peak of requested bytes.
+    """
+    index = device.index
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
-    run()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - start
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10**7)
+    try:
+        traces = torch.cuda.memory._snapshot()["device_traces"]
+        skip = len(traces[index]) if index < len(traces) else 0
+        run()
+        torch.cuda.synchronize(device)
+        events = torch.cuda.memory._snapshot()["device_traces"][index][skip:]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    level = peak = 0
+    for event in events:
+        if event["action"] == "alloc":
+            level += event["size"]
+            peak = max(peak, level)
+        elif event["action"] == "free_requested":
+            level -= event["size"]
+    return peak
 
 
 def compare(setup: str, device: torch.device, meter: str, meter_bytes: int, reference: str,
@@ -68,8 +89,8 @@ def compare_case(name: str, make_model, make_optimizer, make_batch, device: torc
         step()
     gc.collect()
     if device.type == "cuda":
-        return compare(name, device, "gpukit.measure (CUDA allocator)", report.peak,
-                       "torch.cuda.max_memory_allocated", cuda_peak(step, device))
+        return compare(name, device, "gpukit.measure (CUDA allocator, requested)", report.peak_unrounded,
+                       "CUDA allocator trace", allocator_trace_peak(step, device))
     return compare(name, device, "gpukit counter (unrounded)", report.peak_unrounded,
                    "torch MemTracker", memtracker_peak(step, model, optimizer, *batch))
 
@@ -77,6 +98,8 @@ def compare_case(name: str, make_model, make_optimizer, make_batch, device: torc
 def main() -> list[dict]:
     devices = [torch.device("cpu")] + ([gpukit.resolve_device("cuda")] if torch.cuda.is_available() else [])
     rows = []
+    for device in devices:
+        gpukit.warm_up(device)  # cuBLAS's workspaces exist before the first measured step
     print(f"{'setup':<20}{'device':<8}{'gpukit B':>14}{'reference B':>14}{'diff B':>9}{'diff %':>10}  reference")
     for device in devices:
         for name, (make_model, make_opt, make_batch, _) in reference_cases(BATCH).items():

@@ -15,8 +15,23 @@ and add nothing, and the memory is freed when the storage's last user dies.
   every tensor Python can reach (``gc``), their ``.grad``, and the tensors saved
   by autograd graphs hanging off them, so that freeing them counts.
 
-Every size is also rounded up to a multiple of 512 bytes, as the CUDA caching
-allocator does, so that CPU and CUDA figures mean the same thing.
+Every size is kept as requested (the CUDA allocator's ``requested_bytes``) and also
+rounded up to a multiple of 512 bytes (its ``allocated_bytes``). What that reproduces of
+the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, default configuration):
+
+* requested bytes: exactly, whatever the allocator's cache holds;
+* allocated bytes of requests up to 1 MiB (``kSmallSize``): exactly. They come from the
+  small pool, whose blocks are always split to the 512-byte-rounded size (``round_size``,
+  ``should_split``: ``remaining >= kMinBlockSize``);
+* allocated bytes of larger requests: a lower bound. A large block is split only when more
+  than 1 MiB would remain (``should_split``: ``remaining > kSmallSize``), so a request can
+  be counted with up to 1 MiB more, the whole block it got; which block depends on what the
+  cache holds (new segments are 20 MiB, ``kLargeBuffer``, for requests under 10 MiB,
+  ``kMinLargeAlloc``, else the request rounded up to 2 MiB, ``kRoundLarge``).
+  ``cuda_allocated_range`` gives the bounds. ``expandable_segments`` splits every block,
+  and ``roundup_power2_divisions`` rounds differently; the counter follows neither.
+* not at all: reserved memory (segments, the cache, fragmentation), scratch memory inside
+  ops, and cuBLAS's workspaces (``gpukit.warm_up``).
 
 What it cannot see: scratch memory a C++ kernel allocates and frees inside one
 op, memory of non-strided (sparse) tensors, and storages reachable only from C++
@@ -33,12 +48,22 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this
+ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
+SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
 
 
 def round_up(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator would use for a request of ``nbytes``."""
+    """Bytes the CUDA caching allocator counts for a request of ``nbytes`` when its block is split to size
+    (always for requests up to 1 MiB; see ``cuda_allocated_range`` for larger ones)."""
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def cuda_allocated_range(nbytes: int) -> tuple[int, int]:
+    """The least and most bytes the CUDA caching allocator can count as allocated for one request of ``nbytes``,
+    whatever its cache holds: ``round_up(nbytes)`` exactly up to 1 MiB; above, up to 1 MiB more, since a large
+    block is not split when 1 MiB or less would remain (``should_split`` in c10/cuda/CUDACachingAllocator.cpp)."""
+    rounded = round_up(nbytes)
+    return (rounded, rounded) if nbytes <= SMALL_REQUEST else (rounded, rounded + SMALL_REQUEST)
 
 
 class Tally:

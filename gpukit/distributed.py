@@ -123,9 +123,7 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
         RuntimeError: torchrun failed without a rank saying why (its output is in the message).
     """
     out = Path(tempfile.mkdtemp(prefix="gpukit-ranks-"))
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    run_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
-               "MASTER_ADDR": "127.0.0.1", RESULTS_ENV: str(out), **(env or {})}
+    run_env = {**rank_environment(nproc), RESULTS_ENV: str(out), **(env or {})}
     log_path = out / "torchrun.log"
     start = time.monotonic()
     try:
@@ -248,6 +246,22 @@ def choose_backend(world_size: int, local_world_size: int | None = None) -> tupl
     if torch.cuda.is_available() and torch.cuda.device_count() >= local:
         return "nccl", None
     return "gloo", torch.device("cpu")
+
+
+def rank_environment(nproc: int) -> dict[str, str]:
+    """The environment ``launch`` gives its ranks: this process's, with one thread share per rank, and, when
+    the run falls back to gloo (fewer GPUs than ranks), no visible GPU (``CUDA_VISIBLE_DEVICES=''``).
+
+    Gloo ranks must be CPU ranks through and through: with a GPU visible, FSDP2's default mesh is built on
+    the accelerator and each rank sets ``cuda:LOCAL_RANK`` (an invalid ordinal for rank 1 on a one-GPU
+    machine) and moves its parameters there, while the process group is gloo on the CPU
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, torch/distributed/device_mesh.py).
+    """
+    threads = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), "MASTER_ADDR": "127.0.0.1"}
+    if choose_backend(nproc)[0] == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def init() -> RankContext:

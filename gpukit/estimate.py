@@ -151,7 +151,9 @@ def predict(make_model: Callable[[], nn.Module],
                               make_batch())
         for _ in range(warmup_steps):
             step(model, optimizer, batch)
-        roles = RoleTracker(torch.device("cpu"), model, optimizer)
+        # Roles of the device the model is on (a model built on "cuda" under fake tensors has its roles there).
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        roles = RoleTracker(device, model, optimizer)
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()

@@ -7,8 +7,9 @@
 
 On CUDA the figures are the caching allocator's own statistics. On CPU they come
 from gpukit's exact live-tensor counter (gpukit.counter), which keeps the same
-accounting: allocations rounded up to 512 bytes, frees of tensors that existed
-before the block included.
+accounting where the allocator's rules make it exact: bytes as requested, and
+allocated bytes rounded up to 512 (exact for requests up to 1 MiB, a lower bound
+above; see gpukit.counter), frees of tensors that existed before the block included.
 """
 
 from __future__ import annotations
@@ -230,6 +231,12 @@ class measure:
         A ``MemoryReport`` that is filled in when the block ends. Blocks can nest;
         each reports its own peak. A block that raises still restores everything
         and re-raises; its report is filled in but not recorded.
+
+    On CUDA a block resets the device's peak counters (``torch.cuda.reset_peak_memory_stats``:
+    PyTorch keeps one per device and offers no way to set it back), so after a block
+    ``torch.cuda.max_memory_allocated()`` reports the peak since that block began, not since
+    your own reset. Read your own peak before a measured block, or nest ``measure`` blocks,
+    each of which keeps its own peak.
 
     Raises:
         ValueError: for a device gpukit cannot measure.

@@ -123,6 +123,10 @@ def _wrap(name: str, model: nn.Module, ctx: RankContext, lr: float):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     policy = {}
+    if ctx.device.type == "cpu":  # gloo ranks: FSDP's default mesh would be built on the accelerator
+        from torch.distributed.device_mesh import init_device_mesh
+
+        policy["mesh"] = init_device_mesh("cpu", (ctx.world_size,))
     if name == "fsdp-bf16":
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "fsdp-offload":
@@ -147,6 +151,7 @@ def run_experiment(name: str, ctx: RankContext, batch: int = 1024, width: int = 
         optimizer.step()
         return loss.item()
 
+    gpukit.warm_up(ctx.device)  # on a GPU: cuBLAS's one-time workspaces are not the model's memory
     with gpukit.measure(ctx.device, record=False) as whole:
         model, optimizer = _wrap(name, make_model(width, depth, seed, ctx.device), ctx, lr)
         first_loss = train_step()  # the first step also creates the optimizer state

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from .data import digit_tokens_batch, digits_batch
 from .meter import device_name, measure, resolve_device
 from .models import MLP, ConvNet, GPTConfig, TinyGPT
+from .warmup import warm_up
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ def measure_technique(setup: Setup, technique: Technique, device: str | torch.de
     if row["status"]:
         return row
     setup.make_batch(1)  # the first call loads the data set: not inside the measured block, nor fake
+    warm_up(dev)  # on a GPU: cuBLAS's one-time workspaces are not the first technique's memory
     gc.collect()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) if simulated else contextlib.nullcontext():

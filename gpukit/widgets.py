@@ -20,6 +20,11 @@ from .report import MemoryReport, format_bytes, parse_bytes
 class MemoryGauge(w.VBox):
     """Current and peak allocated memory, updated each step, against a budget when one is given.
 
+    The budget line is checked against what ``gpukit.budget`` caps on the measured device: on a GPU the
+    allocator's reserved memory (``set_per_process_memory_fraction`` caps it: live tensors, the cache and its
+    fragmentation), so the peak bar shows the highest reserved bytes; on a CPU the live tensor bytes, so it
+    shows the highest allocated peak.
+
     Args:
         budget: the bar's full scale (and the line it must not cross), bytes or ``"4GB"``; without one the
             scale grows with the highest peak seen.
@@ -31,6 +36,7 @@ class MemoryGauge(w.VBox):
         self.steps = 0
         self.current = 0
         self.highest_peak = 0
+        self.highest_reserved: int | None = None  # CUDA reports only: what a CUDA budget caps
         style = {"description_width": "70px"}
         self._current_bar = w.FloatProgress(value=0, min=0, max=1, description="current", style=style)
         self._peak_bar = w.FloatProgress(value=0, min=0, max=1, description="peak", style=style,
@@ -45,21 +51,30 @@ class MemoryGauge(w.VBox):
         self.steps += 1
         self.current = report.live_end
         self.highest_peak = max(self.highest_peak, report.peak_abs)
+        if report.reserved_peak is not None:
+            self.highest_reserved = max(self.highest_reserved or 0, report.reserved_peak)
         self._render()
 
+    @property
+    def capped(self) -> int:
+        """The highest value of what a budget caps on this device: reserved bytes on CUDA, else allocated."""
+        return self.highest_peak if self.highest_reserved is None else self.highest_reserved
+
     def _render(self) -> None:
-        scale = self.budget or max(self.highest_peak, 1)
-        for bar, value in ((self._current_bar, self.current), (self._peak_bar, self.highest_peak)):
+        scale = self.budget or max(self.capped, 1)
+        for bar, value in ((self._current_bar, self.current), (self._peak_bar, self.capped)):
             bar.max = scale
             bar.value = min(value, scale)
-        over = self.budget is not None and self.highest_peak > self.budget
+        self._peak_bar.description = "peak" if self.highest_reserved is None else "reserved"
+        over = self.budget is not None and self.capped > self.budget
         self._peak_bar.bar_style = "danger" if over else "warning"
         self._text.value = self.text()
 
     def text(self) -> str:
         budget = f" of {format_bytes(self.budget)} budget" if self.budget else ""
+        reserved = "" if self.highest_reserved is None else f", reserved {format_bytes(self.highest_reserved)}"
         return (f"step {self.steps}: current {format_bytes(self.current)}, "
-                f"peak {format_bytes(self.highest_peak)}{budget}")
+                f"peak {format_bytes(self.highest_peak)}{reserved}{budget}")
 
     def __repr__(self) -> str:
         return f"MemoryGauge({self.text()})"

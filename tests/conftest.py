@@ -4,7 +4,23 @@ import pytest
 import torch
 
 import gpukit
+import gpukit.meter
 from gpukit.counter import LEDGER
+
+
+def _no_default_device() -> torch.device:
+    raise RuntimeError(
+        "this test measures gpukit's default device, which is the CPU here but the GPU on a GPU machine: "
+        "name the device it measures (measure('cpu'), budget(size, 'cpu'), device='cpu'...)")
+
+
+@pytest.fixture(autouse=True)
+def every_test_names_its_device(request, monkeypatch):
+    """On a GPU machine gpukit's default device is the GPU, so a test that leaves the device out and then
+    builds CPU tensors measures nothing there. Here the default raises, so such a test fails on the CPU too.
+    A test of the default itself is marked ``uses_default_device``."""
+    if request.node.get_closest_marker("uses_default_device") is None:
+        monkeypatch.setattr(gpukit.meter, "default_device", _no_default_device)
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +54,7 @@ def train_step(model, optimizer, x, y, checkpoint=False):
     loss.backward()
     optimizer.step()
     return loss.item()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "uses_default_device: the test is about gpukit's default device itself")

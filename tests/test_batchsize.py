@@ -24,7 +24,7 @@ MARGIN = 0.05
 def above_now(nbytes):
     """A budget of ``nbytes`` more than the CPU tensors alive now."""
     gc.collect()
-    with gpukit.measure(record=False) as r:
+    with gpukit.measure("cpu", record=False) as r:
         pass
     return r.live_end + nbytes
 
@@ -33,12 +33,12 @@ def above_now(nbytes):
 def test_prediction_finds_the_true_maximum_within_its_margin_with_fewer_real_steps(name):
     make_model, make_opt, make_batch, room = SETUPS[name]
     limit = above_now(room)
-    ours = predict_then_confirm(Trainer(make_model, make_opt, make_batch, limit), margin=MARGIN)
-    doubling = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit))
-    shrinking = shrink_on_failure(Trainer(make_model, make_opt, make_batch, limit), start=1024)
+    ours = predict_then_confirm(Trainer(make_model, make_opt, make_batch, limit, device="cpu"), margin=MARGIN)
+    doubling = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit, device="cpu"))
+    shrinking = shrink_on_failure(Trainer(make_model, make_opt, make_batch, limit, device="cpu"), start=1024)
 
     # The truth, by bisection with real steps: the largest batch that fits (1 - margin) of the budget...
-    at_margin = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit),
+    at_margin = double_then_bisect(Trainer(make_model, make_opt, make_batch, limit, device="cpu"),
                                    limit=int(limit * (1 - MARGIN))).batch
     assert ours.batch == at_margin > 0
     # ...which is at most the largest that fits the whole budget.
@@ -48,18 +48,20 @@ def test_prediction_finds_the_true_maximum_within_its_margin_with_fewer_real_ste
 
 
 def test_a_failed_trial_leaves_the_trainer_as_it_was():
-    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(2_000_000))
+    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(2_000_000),
+                      device="cpu")
     gc.collect()  # garbage of earlier tests would otherwise be freed by the trial's own collection
-    with gpukit.measure(record=False) as before:
+    with gpukit.measure("cpu", record=False) as before:
         pass
     assert not trainer.fits(100_000)
-    with gpukit.measure(record=False) as after:
+    with gpukit.measure("cpu", record=False) as after:
         pass
     assert after.live_end == before.live_end
     assert trainer.fits(1)
 
 
 def test_a_budget_too_small_for_one_sample_finds_nothing():
-    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(1024))
+    trainer = Trainer(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1), digits_batch, above_now(1024),
+                      device="cpu")
     assert predict_then_confirm(trainer).batch == 0
     assert double_then_bisect(trainer).batch == 0

@@ -174,3 +174,23 @@ def test_recording_needs_the_technique_matrix():
         run.main(["exactness", "--record"])
     assert exit_.value.code == 2
 
+
+def test_the_cuda_exactness_reference_replays_the_allocators_trace(monkeypatch):
+    # A stand-in for the allocator's event log: requested sizes, a free that completes later (its memory is no
+    # longer allocated once requested), and the events that were there before the measured run.
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    exactness = load_bench("exactness")
+    before = [{"action": "alloc", "size": 10**9}]
+    during = [{"action": "alloc", "size": 1000}, {"action": "segment_alloc", "size": 2**21},
+              {"action": "alloc", "size": 3000}, {"action": "free_requested", "size": 1000},
+              {"action": "free_completed", "size": 1000}, {"action": "alloc", "size": 2000},
+              {"action": "free_requested", "size": 3000}]
+    log = list(before)
+
+    def run():
+        log.extend(during)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [list(log)]})
+    assert exactness.allocator_trace_peak(run, torch.device("cuda", 0)) == 5000  # 3000 + 2000 after the free

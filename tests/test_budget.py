@@ -23,27 +23,27 @@ def setup():
 
 def test_a_budget_of_exactly_the_needed_bytes_passes_and_one_byte_less_fails(setup):
     model, opt, batch = setup
-    with gpukit.measure(record=False) as r:
+    with gpukit.measure("cpu", record=False) as r:
         default_step(model, opt, batch)
     assert r.delta == 0  # the steady state: the next step starts from the same live bytes
     need = r.live_start + r.peak
-    with gpukit.budget(need):
+    with gpukit.budget(need, "cpu"):
         default_step(model, opt, batch)
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
-        with gpukit.budget(need - 1):
+        with gpukit.budget(need - 1, "cpu"):
             default_step(model, opt, batch)
 
 
 def live_now():
     gc.collect()
-    with gpukit.measure(record=False) as r:
+    with gpukit.measure("cpu", record=False) as r:
         pass
     return r.live_end
 
 
 def test_the_error_says_what_was_asked_what_is_used_and_the_budget():
     limit = live_now() + 10_000_000  # a CPU budget counts every live CPU tensor of the process
-    with gpukit.budget(limit):
+    with gpukit.budget(limit, "cpu"):
         a = torch.empty(1_000_000)
         with pytest.raises(torch.OutOfMemoryError) as err:
             torch.empty(2_000_000)
@@ -57,11 +57,11 @@ def test_the_error_says_what_was_asked_what_is_used_and_the_budget():
 
 
 def test_nested_budgets_the_smallest_applies_and_each_exit_restores():
-    with gpukit.budget(live_now() + 10**9):
-        with gpukit.budget(live_now() + 10**6):
+    with gpukit.budget(live_now() + 10**9, "cpu"):
+        with gpukit.budget(live_now() + 10**6, "cpu"):
             with pytest.raises(torch.OutOfMemoryError):
                 torch.empty(1_000_000)                # 4 MB > 1 MB
-            with gpukit.budget(live_now() + 10**9):   # a looser inner budget does not loosen
+            with gpukit.budget(live_now() + 10**9, "cpu"):   # a looser inner budget does not loosen
                 with pytest.raises(torch.OutOfMemoryError):
                     torch.empty(1_000_000)
         t = torch.empty(1_000_000)                   # back under the 1 GB budget: fits
@@ -71,12 +71,12 @@ def test_nested_budgets_the_smallest_applies_and_each_exit_restores():
 
 def test_after_an_oom_no_tensor_of_the_failed_step_stays_alive(setup):
     model, opt, batch = setup
-    with gpukit.measure(record=False):
+    with gpukit.measure("cpu", record=False):
         pass
     before = LEDGER.live_rounded
 
     def failing_step():
-        with gpukit.budget(before + 4096):
+        with gpukit.budget(before + 4096, "cpu"):
             default_step(model, opt, batch)
 
     oom = False
@@ -89,7 +89,7 @@ def test_after_an_oom_no_tensor_of_the_failed_step_stays_alive(setup):
     gc.collect()
     assert oom
     grads = sum(round_up(p.nbytes) for p in model.parameters())
-    with gpukit.measure(record=False):
+    with gpukit.measure("cpu", record=False):
         pass
     assert LEDGER.live_rounded == before - grads  # only the gradients we dropped on purpose are gone
 
@@ -98,11 +98,11 @@ def test_recovery_leaves_parameters_and_optimizer_state_bit_identical(setup):
     model, opt, batch = setup
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
-    with gpukit.measure(record=False) as r:  # the live bytes before the step
+    with gpukit.measure("cpu", record=False) as r:  # the live bytes before the step
         pass
     skipped = 0
     try:
-        with gpukit.budget(r.live_end + 64 * 1024):  # room for far less than the batch's activations
+        with gpukit.budget(r.live_end + 64 * 1024, "cpu"):  # room for far less than the batch's activations
             default_step(model, opt, batch)
     except torch.OutOfMemoryError:
         skipped += 1

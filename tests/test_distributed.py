@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gpukit import dataparallel
-from gpukit.distributed import RankFailed, alive, choose_backend, launch, publish, torchrun_command
+from gpukit.distributed import (RankFailed, alive, choose_backend, launch, publish, rank_environment,
+                                torchrun_command)
 from gpukit.parallel import fsdp_shard_bytes, make_model, model_state_formulas
 
 
@@ -45,7 +46,8 @@ def test_each_rank_publishes_records_and_tensors(tmp_path):
     script = rank_script(tmp_path, """
         total = torch.tensor([float(ctx.rank + 1)])
         dist.all_reduce(total)
-        publish({"sum": total.item(), "backend": ctx.backend, "world": ctx.world_size})
+        publish({"sum": total.item(), "backend": ctx.backend, "world": ctx.world_size,
+                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda": torch.cuda.is_available()})
         publish({"second": True})
         publish_tensors("mine", {"r": torch.full((2,), float(ctx.rank))})
         """)
@@ -53,7 +55,10 @@ def test_each_rank_publishes_records_and_tensors(tmp_path):
     frame = results.frame()
     assert sorted(frame["rank"]) == [0, 0, 1, 1]
     sums = frame.dropna(subset=["sum"])
-    assert list(sums["sum"]) == [3.0, 3.0] and set(sums["backend"]) == {"gloo"} and set(sums["world"]) == {2}
+    backend = choose_backend(2)[0]   # gloo here; NCCL on a machine with two GPUs
+    assert list(sums["sum"]) == [3.0, 3.0] and set(sums["backend"]) == {backend} and set(sums["world"]) == {2}
+    if backend == "gloo":            # gloo ranks are CPU ranks: no GPU visible to them
+        assert set(sums["visible"]) == {""} and not sums["cuda"].any()
     assert len(results.frame(second=True)) == 2
     assert torch.equal(results.tensors[1, "mine"]["r"], torch.ones(2))
     assert torch.equal(results.tensors[0, "mine"]["r"], torch.zeros(2))
@@ -109,6 +114,18 @@ def test_cpu_uses_gloo():
         assert choose_backend(torch.cuda.device_count() + 1)[0] == "gloo"
     else:
         assert choose_backend(2) == ("gloo", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("gpus, nproc, hidden", [(0, 2, True), (1, 2, True), (2, 2, False), (1, 1, False)])
+def test_ranks_that_fall_back_to_gloo_see_no_gpu(monkeypatch, gpus, nproc, hidden):
+    # One GPU, two ranks: gloo. A visible GPU would pull FSDP2's default mesh onto cuda:LOCAL_RANK.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env = rank_environment(nproc)
+    assert choose_backend(nproc)[0] == ("gloo" if hidden else "nccl")
+    assert env["CUDA_VISIBLE_DEVICES"] == ("" if hidden else "0,1")
+    assert env["MASTER_ADDR"] == "127.0.0.1"
 
 
 def test_publishing_outside_a_launch_says_what_to_do(monkeypatch):

@@ -37,7 +37,7 @@ def test_prediction_breaks_the_state_down_by_role():
 
 def test_a_billion_parameter_model_is_predicted_without_allocating_it():
     cfg = GPTConfig(vocab_size=32000, block_size=512, n_layer=16, n_head=16, n_embd=2048)
-    with gpukit.measure(record=False) as real:
+    with gpukit.measure("cpu", record=False) as real:
         p = predict(lambda: TinyGPT(cfg), lambda q: torch.optim.AdamW(q),
                     lambda: (torch.zeros(4, 512, dtype=torch.long), torch.zeros(4, 512, dtype=torch.long)))
     assert p.parameters > 800_000_000
@@ -107,3 +107,20 @@ def test_the_same_prediction_twice_gives_the_same_bytes():
     for _ in range(3):
         predict(lambda: MLP(width=512, depth=4), lambda q: torch.optim.Adam(q), image_batch)
     assert predict(*make).peak == first.peak
+
+
+def test_roles_are_read_on_the_device_the_model_is_built_on():
+    # A model built on a GPU under fake tensors has its roles there, not on the CPU. Fake CUDA tensors abort
+    # on a CPU-only torch, so 'meta' stands in for the other device.
+    def on_meta():
+        with torch.device("meta"):
+            return MLP(width=64)
+
+    def meta_batch():
+        return torch.zeros(B, 1, 8, 8, device="meta"), torch.zeros(B, dtype=torch.long, device="meta")
+
+    there = predict(on_meta, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), meta_batch)
+    here = predict(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                   lambda: (torch.zeros(B, 1, 8, 8), torch.zeros(B, dtype=torch.long)))
+    assert there.roles_end["parameters"] == there.roles_end["gradients"] > 0
+    assert there.roles_end == here.roles_end and there.peak == here.peak

@@ -29,7 +29,7 @@ def test_step_peak_agrees_with_memtracker_within_0_1_percent(digits, model_name,
     for _ in range(2):  # reach the steady state: gradients and optimizer state exist
         train_step(model, optimizer, x, y, checkpoint)
 
-    with gpukit.measure(record=False) as report:
+    with gpukit.measure("cpu", record=False) as report:
         train_step(model, optimizer, x, y, checkpoint)
     reference = memtracker_peak(lambda: train_step(model, optimizer, x, y, checkpoint), model, optimizer, x, y)
 

@@ -10,7 +10,7 @@ from gpukit.counter import LEDGER, round_up
 
 
 def test_float32_million_is_4_000_000_bytes_rounded_to_4_000_256():
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         x = torch.empty(1_000_000)
     assert (r.peak, r.delta) == (4_000_256, 4_000_256)
     assert (r.peak_unrounded, r.delta_unrounded) == (4_000_000, 4_000_000)
@@ -27,7 +27,7 @@ def test_float32_million_is_4_000_000_bytes_rounded_to_4_000_256():
     (torch.float32, 0, 0),          # an empty tensor takes nothing
 ])
 def test_sizes_round_up_to_512_like_the_cuda_allocator(dtype, numel, expected):
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         t = torch.zeros(numel, dtype=dtype)
     assert r.delta == expected == round_up(numel * t.element_size())
     assert r.delta_unrounded == numel * t.element_size()
@@ -35,7 +35,7 @@ def test_sizes_round_up_to_512_like_the_cuda_allocator(dtype, numel, expected):
 
 def test_views_and_in_place_ops_add_nothing():
     x = torch.ones(1000, 1000)
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         v = x.view(-1)[10:]
         w = x.t()
         x.add_(1).mul_(2)
@@ -48,7 +48,7 @@ def test_parameter_data_inside_a_block_works_and_adds_nothing():
     # nn.Parameter is a tensor subclass without a __torch_dispatch__ of its own: the meter
     # must treat it as a plain tensor (old-style updates such as p.data.mul_() are common).
     layer = torch.nn.Linear(100, 100)
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         weight = layer.weight.data
         weight.mul_(0.5)
         with torch.no_grad():
@@ -58,7 +58,7 @@ def test_parameter_data_inside_a_block_works_and_adds_nothing():
 
 
 def test_a_storage_is_freed_when_its_last_view_dies():
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         x = torch.empty(1000, 1000)
         v = x[500:]
         del x
@@ -69,7 +69,7 @@ def test_a_storage_is_freed_when_its_last_view_dies():
 
 
 def test_peak_catches_a_400_mb_temporary_deleted_inside_the_block():
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         tmp = torch.empty(100_000_000)
         del tmp
         keep = torch.empty(10)
@@ -80,7 +80,7 @@ def test_peak_catches_a_400_mb_temporary_deleted_inside_the_block():
 
 def test_a_temporary_made_and_freed_inside_one_expression_counts():
     x = torch.ones(1_000_000)
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         s = (x * 2).sum()  # x * 2 is a 4 MB temporary that never gets a name
     assert r.peak == 4_000_256 + 512
     assert r.delta == 512
@@ -89,7 +89,7 @@ def test_a_temporary_made_and_freed_inside_one_expression_counts():
 
 def test_dropping_a_tensor_from_before_the_block_counts_as_a_free():
     big = torch.empty(10_000_000)  # 40 MB made before the block
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         del big
         big = torch.empty(10_000_000)
     assert r.peak <= 512
@@ -101,7 +101,7 @@ def test_zero_grad_set_to_none_lowers_the_level_before_backward_raises_it():
     model = torch.nn.Linear(1000, 1000)
     model(torch.ones(1, 1000)).sum().backward()
     grad_bytes = round_up(1000 * 1000 * 4) + round_up(1000 * 4)
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         model.zero_grad(set_to_none=True)
         after_zero_grad = LEDGER.live_rounded
     assert r.delta == -grad_bytes
@@ -113,7 +113,7 @@ def test_backward_of_a_graph_built_before_the_block_frees_its_saved_tensors():
     w = torch.ones(1000, requires_grad=True)
     x = torch.ones(1000, 1000)
     loss = (x * w).exp().sum()  # exp's output (4 MB) is saved for backward, held only by the graph
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         loss.backward()
     # grad of w (4,000 B) stays; the saved exp output is freed.
     assert r.delta == round_up(4000) - 4_000_256
@@ -121,7 +121,7 @@ def test_backward_of_a_graph_built_before_the_block_frees_its_saved_tensors():
 
 def test_resize_is_counted():
     t = torch.empty(0)
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         t.resize_(1000)
         t.untyped_storage().resize_(8000)
     assert r.delta == 8192
@@ -136,9 +136,9 @@ def test_tensors_on_other_devices_are_not_counted():
 
 
 def test_nested_blocks_each_report_their_own_peak():
-    with gpukit.measure() as outer:
+    with gpukit.measure("cpu") as outer:
         a = torch.empty(1_000_000)              # +4,000,256
-        with gpukit.measure() as inner:
+        with gpukit.measure("cpu") as inner:
             b = torch.empty(250_000)            # +1,000,448
             del b
         c = torch.empty(500_000)                # +2,000,384
@@ -153,7 +153,7 @@ def test_nested_blocks_each_report_their_own_peak():
 def test_a_block_that_raises_restores_everything_and_reraises():
     resize = torch.UntypedStorage.resize_
     with pytest.raises(ZeroDivisionError):
-        with gpukit.measure() as r:
+        with gpukit.measure("cpu") as r:
             x = torch.empty(1000)
             1 / 0
     assert not LEDGER.active and torch.UntypedStorage.resize_ is resize
@@ -166,12 +166,12 @@ def test_a_block_that_raises_restores_everything_and_reraises():
 def test_no_leak_over_200_measured_blocks():
     model = torch.nn.Linear(100, 100)
     x = torch.ones(32, 100)
-    with gpukit.measure(record=False):  # the counter learns model and x
+    with gpukit.measure("cpu", record=False):  # the counter learns model and x
         pass
     gc.collect()
     before = (LEDGER.live, len(LEDGER.sizes))
     for _ in range(200):
-        with gpukit.measure(record=False) as r:
+        with gpukit.measure("cpu", record=False) as r:
             model(x).sum().backward()
         model.zero_grad(set_to_none=True)
     gc.collect()
@@ -181,22 +181,22 @@ def test_no_leak_over_200_measured_blocks():
 
 def test_live_bytes_match_the_tensors_actually_alive():
     gc.collect()
-    with gpukit.measure(record=False):
+    with gpukit.measure("cpu", record=False):
         pass
     start = LEDGER.live
     tensors = [torch.empty(n) for n in (10, 1000, 12345)]
-    with gpukit.measure(record=False) as r:
+    with gpukit.measure("cpu", record=False) as r:
         pass
     assert LEDGER.live - start == sum(t.nbytes for t in tensors)
     assert r.live_start == LEDGER.live_rounded
 
 
 def test_history_and_last():
-    with gpukit.measure(label="a"):
+    with gpukit.measure("cpu", label="a"):
         x = torch.empty(256)
-    with gpukit.measure(label="b", record=False):
+    with gpukit.measure("cpu", label="b", record=False):
         y = torch.empty(256)
-    with gpukit.measure(label="c"):
+    with gpukit.measure("cpu", label="c"):
         del x, y
     h = gpukit.history()
     assert list(h["label"]) == ["a", "c"]
@@ -216,7 +216,7 @@ def test_bad_devices_are_refused_with_a_clear_error(bad):
 
 
 def test_report_renders_as_text_and_html():
-    with gpukit.measure(label="x") as r:
+    with gpukit.measure("cpu", label="x") as r:
         t = torch.empty(1_000_000)
     text, page = repr(r), r._repr_html_()
     for s in (text, page):
@@ -234,6 +234,35 @@ def test_swapping_tensors_still_works_after_a_measurement():
     with FakeTensorMode():
         fake = torch.empty(10)
         other = torch.empty(10)
-        with gpukit.measure(record=False):
+        with gpukit.measure("cpu", record=False):
             pass
         torch.utils.swap_tensors(fake, other)
+
+
+def test_a_test_that_leaves_the_device_out_fails_here_as_it_would_measure_the_gpu_there():
+    # conftest.py makes gpukit's default device raise, so a forgotten device fails on this CPU machine.
+    with pytest.raises(RuntimeError, match="name the device it measures"):
+        gpukit.measure()
+    with pytest.raises(RuntimeError, match="name the device it measures"):
+        gpukit.budget("1GB")
+
+
+@pytest.mark.uses_default_device
+def test_the_default_device_is_the_current_gpu_when_there_is_one_else_the_cpu(monkeypatch):
+    from gpukit.meter import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert default_device() == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("nbytes, low, high", [(1, 512, 512), (2**20, 2**20, 2**20),
+                                               (2**20 + 1, 2**20 + 512, 2**21 + 512),
+                                               (64 * 2**20, 64 * 2**20, 65 * 2**20)])
+def test_cuda_counts_small_requests_exactly_and_large_ones_up_to_a_mib_more(nbytes, low, high):
+    # c10/cuda/CUDACachingAllocator.cpp: kSmallSize = 1 MiB; a large block is split only if > 1 MiB remains.
+    from gpukit.counter import cuda_allocated_range
+
+    assert cuda_allocated_range(nbytes) == (low, high)

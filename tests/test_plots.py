@@ -32,7 +32,7 @@ def trained():
 
 def test_the_timeline_goes_through_forward_backward_and_optimizer_and_peaks_at_the_peak(trained):
     model, opt, step = trained
-    with gpukit.measure(timeline=True, label="step") as r:
+    with gpukit.measure("cpu", timeline=True, label="step") as r:
         step()
     levels = [level for level, _ in r.timeline]
     assert max(levels) == r.peak and levels[-1] == r.delta
@@ -48,7 +48,7 @@ def test_the_timeline_goes_through_forward_backward_and_optimizer_and_peaks_at_t
 
 
 def test_a_report_without_a_timeline_says_how_to_get_one():
-    with gpukit.measure() as r:
+    with gpukit.measure("cpu") as r:
         torch.empty(10)
     with pytest.raises(ValueError, match="timeline=True"):
         plots.timeline(r)
@@ -56,9 +56,9 @@ def test_a_report_without_a_timeline_says_how_to_get_one():
 
 def test_role_bars_are_the_roles_bytes(trained):
     model, opt, step = trained
-    with gpukit.measure(model=model, optimizer=opt, label="adam step"):
+    with gpukit.measure("cpu", model=model, optimizer=opt, label="adam step"):
         step()
-    with gpukit.measure(model=model, label="forward only"):
+    with gpukit.measure("cpu", model=model, label="forward only"):
         out = model(torch.randn(32, 64))
     ax = plots.role_bars()
     unit = ax.get_ylabel()
@@ -76,7 +76,7 @@ def test_role_bars_are_the_roles_bytes(trained):
 
 
 def test_role_bars_without_roles_say_what_to_do():
-    with gpukit.measure():
+    with gpukit.measure("cpu"):
         torch.empty(10)
     with pytest.raises(ValueError, match="--roles"):
         plots.role_bars()
@@ -92,11 +92,21 @@ def test_gauge_follows_current_and_peak_against_the_budget():
     assert "step 3" in repr(gauge) and "budget" in gauge.text()
 
 
+def test_on_cuda_the_gauge_holds_reserved_bytes_against_the_budget_as_a_cuda_budget_caps_them():
+    # A CUDA report: allocated well under the budget, reserved (live + cache) over it.
+    gauge = MemoryGauge(budget=10_000)
+    gauge.update(gpukit.MemoryReport(device="cuda:0", live_start=1000, peak=4000, delta=0, live_end=1000,
+                                     reserved_start=8000, reserved_peak=12_000, reserved_end=12_000))
+    assert gauge.highest_peak == 5000 and gauge.capped == 12_000
+    assert gauge._peak_bar.bar_style == "danger" and gauge._peak_bar.description == "reserved"
+    assert "reserved 11.72 KiB" in gauge.text()
+
+
 def test_the_explorer_measures_each_technique_and_shows_it():
     from gpukit.data import digits_batch
     from gpukit.widgets import TechniqueExplorer
 
-    explorer = TechniqueExplorer(lambda: MLP(width=256, depth=3), digits_batch, batch_sizes=(256, 1024))
+    explorer = TechniqueExplorer(lambda: MLP(width=256, depth=3), digits_batch, device="cpu", batch_sizes=(256, 1024))
     base = explorer.run(batch=1024)
     accumulated = explorer.run(accumulation=4)
     checkpointed = explorer.run(accumulation=1, checkpointing=True)

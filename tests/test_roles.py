@@ -14,7 +14,7 @@ def test_tiny_mlp_adam_step_gives_params_p_grads_p_adam_state_2p():
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     P = parameter_bytes(model)
     n_tensors = len(list(model.parameters()))
-    with gpukit.measure(model=model, optimizer=opt) as r:
+    with gpukit.measure("cpu", model=model, optimizer=opt) as r:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     end = r.roles_end
@@ -28,11 +28,11 @@ def test_tiny_mlp_adam_step_gives_params_p_grads_p_adam_state_2p():
 def test_forward_saves_activations_and_backward_frees_them():
     model = MLP(n_in=64, width=64, depth=2)
     x = torch.randn(32, 64)
-    with gpukit.measure(model=model) as fwd:
+    with gpukit.measure("cpu", model=model) as fwd:
         out = model(x)
     # Saved for backward: the inputs of the two ReLUs' successors (32 x 64 floats each) and more.
     assert fwd.roles_end["activations"] >= 2 * 32 * 64 * 4
-    with gpukit.measure(model=model) as bwd:
+    with gpukit.measure("cpu", model=model) as bwd:
         out.sum().backward()
         del out
     # Gradients are recognised even though the forward ran in an earlier block.
@@ -43,7 +43,7 @@ def test_forward_saves_activations_and_backward_frees_them():
 def test_roles_survive_gradient_accumulation_running_the_model_several_times():
     model = MLP(width=32, depth=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gpukit.measure(model=model, optimizer=opt) as r:
+    with gpukit.measure("cpu", model=model, optimizer=opt) as r:
         for _ in range(4):
             model(torch.randn(8, 64)).sum().backward()
         opt.step()
@@ -60,11 +60,11 @@ def test_roles_need_a_model_or_optimizer():
 def test_a_failing_block_with_roles_restores_state():
     model = MLP(width=8, depth=1)
     with pytest.raises(RuntimeError):
-        with gpukit.measure(model=model):
+        with gpukit.measure("cpu", model=model):
             model(torch.randn(2, 3))  # wrong shape
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     assert _get_current_dispatch_mode() is None
-    with gpukit.measure(model=model) as r:  # and the next block works
+    with gpukit.measure("cpu", model=model) as r:  # and the next block works
         model(torch.randn(2, 64))
     assert r.roles_end["parameters"] == parameter_bytes(model)
