@@ -144,7 +144,7 @@ def predict(make_model: Callable[[], nn.Module],
     """
     t0 = time.perf_counter()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, follow(FAKE_LEDGER) as device:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, follow(FAKE_LEDGER) as simulated:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
         batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
@@ -152,12 +152,12 @@ def predict(make_model: Callable[[], nn.Module],
         for _ in range(warmup_steps):
             step(model, optimizer, batch)
         # Roles of the device the model is on (a model built on "cuda" under fake tensors has its roles there).
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        roles = RoleTracker(device, model, optimizer)
+        model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        roles = RoleTracker(model_device, model, optimizer)
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
-            watch = device.watch()
+            watch = simulated.watch()
             try:
                 roles.start()
                 try:
@@ -166,14 +166,14 @@ def predict(make_model: Callable[[], nn.Module],
                     roles.stop()
             finally:
                 FAKE_LEDGER.stop(tally)
-                reserved_peak = device.unwatch(watch)
+                reserved_peak = simulated.unwatch(watch)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
     return Prediction(
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
-        seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=device.events)
+        seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events)
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
