@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
 # MemTracker's names -> gpukit's names (report.ROLES)
 _NAMES = {
@@ -46,6 +46,38 @@ class _StepTracker(MemTracker):
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
+        stats = self.memory_tracking.get(module)
+        if stats is not None:
+            by_fqn = self.__dict__.setdefault("_stats_by_fqn", {})
+            entries = by_fqn.setdefault(stats.mod_fqn, [])
+            if all(s is not stats for s in entries):
+                entries.append(stats)
+
+    def reset_mod_stats(self) -> None:
+        super().reset_mod_stats()
+        self._stats_by_fqn = {}
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """MemTracker's own update, visiting only the modules now running.
+
+        MemTracker walks the statistics of every module it has seen after every op, which
+        made a 6.7-billion-parameter GPT's prediction spend 28 of its 42 s here; only the
+        modules in ``parents`` can change, so the result is the same. A snapshot maps names
+        to integers, so a dict copy is the deep copy MemTracker makes.
+        """
+        curr_snap = self._curr_mem_snap
+        by_fqn = self.__dict__.get("_stats_by_fqn", {})
+        for fqn in self._mod_tracker.parents:
+            for mod_stats in by_fqn.get(fqn, ()):
+                if peak_state in mod_stats.snapshots:
+                    for dev, dev_snap in curr_snap.items():
+                        if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                            mod_stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
+                            mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+        for dev, dev_snap in curr_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
 
 
 class RoleTracker:
