@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .counter import FAKE_LEDGER, round_up
+from .fakecheck import FakeKernelCheck
 from .report import format_bytes
 from .roles import RoleTracker
 
@@ -69,6 +70,15 @@ class Prediction:
     roles_end: dict[str, int]
     modules: list[dict] = field(default_factory=list)  # per-module parameters and outputs
     seconds: float = 0.0
+    # Ops whose fake kernel gave outputs of the wrong size, replaced by the real sizes (op -> bytes added per
+    # call), and ops that could not be checked against their real kernel (op -> why): gpukit.fakecheck.
+    corrected_ops: dict[str, int] = field(default_factory=dict)
+    unverified_ops: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def lower_bound(self) -> bool:
+        """True where some op's fake kernel could not be checked (``unverified_ops``): the peak may be low."""
+        return bool(self.unverified_ops)
 
     def will_it_fit(self, sizes_gb=GPU_SIZES_GB, allowance: int = CONTEXT_ALLOWANCE):
         """A table: the predicted peak plus the context allowance against GPU memory sizes (GB = 10^9 B)."""
@@ -89,6 +99,10 @@ class Prediction:
                 ("step peak above that", format_bytes(self.step_peak)),
                 ("predicted peak", f"{format_bytes(self.peak)}  ({self.peak:,} B)")]
         rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
+        rows += [(f"  corrected {op}", f"+{format_bytes(n)} per call (fake kernel checked against the real one)")
+                 for op, n in self.corrected_ops.items()]
+        if self.unverified_ops:
+            rows.append(("LOWER BOUND: unchecked ops", ", ".join(self.unverified_ops)))
         rows.append(("prediction took", f"{self.seconds:.2f} s"))
         return rows
 
@@ -125,19 +139,25 @@ def predict(make_model: Callable[[], nn.Module],
         A ``Prediction``.
 
     Raises:
+        RuntimeError, IndexError...: the real error, where the step would fail for real (a dtype mismatch, wrong
+            shapes, class labels or token ids out of range where the batch's values are known): each op small
+            enough is run once for real on the CPU (gpukit.fakecheck).
         RuntimeError: from the step, when it does something fake tensors cannot
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
     t0 = time.perf_counter()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
-        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
+        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check),
                               make_batch())
         for _ in range(warmup_steps):
             step(model, optimizer, batch)
+        check.quick = warmup_steps > 0  # the warm-up step met the ops with these shapes and this batch
         roles = RoleTracker(torch.device("cpu"), model, optimizer)
+        if any(p.grad is not None and p.grad.layout is not torch.strided for p in model.parameters()):
+            roles = _NoRoles()  # MemTracker reads storages, which sparse gradients do not have
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
@@ -155,7 +175,15 @@ def predict(make_model: Callable[[], nn.Module],
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, corrected_ops=dict(check.corrected), unverified_ops=dict(check.unverified))
+
+
+def _to_fake(t: torch.Tensor, fake_mode: FakeTensorMode, check: FakeKernelCheck) -> torch.Tensor:
+    """A fake copy of a real batch tensor; its values are followed where they decide whether the step runs
+    (class labels, token ids)."""
+    fake = fake_mode.from_tensor(t)
+    check.know(fake, t)
+    return fake
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
@@ -169,8 +197,8 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
 
 def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
     """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
-    storages = {id(st): st.nbytes()
-                for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
+    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch)
+                                               if t.layout is torch.strided)}  # the counter's rule
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
 
 
@@ -196,6 +224,22 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     with _quiet_gc(), measure(dev, record=False) as report:
         step(model, optimizer, batch)
     return _state_bytes(model, optimizer, batch)[0] + report.peak
+
+
+class _NoRoles:
+    """No breakdown by role (sparse gradients); the prediction's bytes do not depend on it."""
+
+    peak: dict = {}
+    end: dict = {}
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def module_stats(self) -> dict:
+        return {}
 
 
 @contextlib.contextmanager
