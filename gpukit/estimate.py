@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .counter import FAKE_LEDGER, round_up
+from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes
 from .roles import RoleTracker
@@ -74,6 +75,9 @@ class Prediction:
     # call), and ops that could not be checked against their real kernel (op -> why): gpukit.fakecheck.
     corrected_ops: dict[str, int] = field(default_factory=dict)
     unverified_ops: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"           # whose rules: "cuda" follows PyTorch 2.11's CUDA code paths (gpukit.cudarules)
+    workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
+    attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
 
     @property
     def lower_bound(self) -> bool:
@@ -99,6 +103,10 @@ class Prediction:
                 ("step peak above that", format_bytes(self.step_peak)),
                 ("predicted peak", f"{format_bytes(self.peak)}  ({self.peak:,} B)")]
         rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
+        if self.device == "cuda":
+            rows.insert(0, ("rules", f"CUDA code paths of PyTorch {TORCH_RULES_VERSION} (Hopper), on fake CPU tensors"))
+            rows.append(("  cuBLAS workspaces", format_bytes(self.workspaces)))
+            rows += [("  attention kernel", f"{k} x{n}") for k, n in self.attention_kernels.items()]
         rows += [(f"  corrected {op}", f"+{format_bytes(n)} per call (fake kernel checked against the real one)")
                  for op, n in self.corrected_ops.items()]
         if self.unverified_ops:
@@ -107,7 +115,7 @@ class Prediction:
         return rows
 
     def __repr__(self) -> str:
-        return "\n".join(["predicted training step (fake tensors, nothing allocated)"] +
+        return "\n".join([f"predicted training step on {self.device} (fake tensors, nothing allocated)"] +
                          [f"  {k:<28} {v}" for k, v in self._rows()])
 
     def _repr_html_(self) -> str:
@@ -120,7 +128,7 @@ def predict(make_model: Callable[[], nn.Module],
             make_optimizer: Callable[[Any], torch.optim.Optimizer],
             make_batch: Callable[[], Any],
             step: Callable[[nn.Module, torch.optim.Optimizer, Any], Any] = default_step,
-            *, warmup_steps: int = 1, modules_depth: int = 1) -> Prediction:
+            *, warmup_steps: int = 1, modules_depth: int = 1, device: str = "cpu") -> Prediction:
     """Predict the memory of one training step exactly, allocating nothing.
 
     Everything is built under ``FakeTensorMode``, so nothing is allocated; real
@@ -134,6 +142,8 @@ def predict(make_model: Callable[[], nn.Module],
         warmup_steps: steps run before the predicted one, so that gradients and
             optimizer state exist as they do in the steady state of training.
         modules_depth: depth of the per-module table (1: the model's children).
+        device: "cpu", or "cuda" to apply what a CUDA run (PyTorch 2.11, Hopper GPU) allocates differently:
+            foreach optimizers by default, cuBLAS workspaces, the attention kernel chosen (gpukit.cudarules).
 
     Returns:
         A ``Prediction``.
@@ -146,10 +156,16 @@ def predict(make_model: Callable[[], nn.Module],
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
     t0 = time.perf_counter()
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
+    rules = CudaRules() if kind == "cuda" else contextlib.nullcontext()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
+        if kind == "cuda":
+            use_cuda_optimizer_defaults(optimizer)
         batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check),
                               make_batch())
         for _ in range(warmup_steps):
@@ -171,11 +187,18 @@ def predict(make_model: Callable[[], nn.Module],
                 FAKE_LEDGER.stop(tally)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
+    workspaces, unverified = 0, dict(check.unverified)
+    if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
+        workspaces = rules.workspaces()
+        unverified.update(rules.unmodelled)
+    before += workspaces
+    before_unrounded += workspaces
     return Prediction(
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
-        seconds=time.perf_counter() - t0, corrected_ops=dict(check.corrected), unverified_ops=dict(check.unverified))
+        seconds=time.perf_counter() - t0, corrected_ops=dict(check.corrected), unverified_ops=unverified,
+        device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})))
 
 
 def _to_fake(t: torch.Tensor, fake_mode: FakeTensorMode, check: FakeKernelCheck) -> torch.Tensor:

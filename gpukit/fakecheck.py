@@ -32,7 +32,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -126,9 +126,9 @@ class FakeKernelCheck(TorchDispatchMode):
 
     _cache: dict = {}  # signature -> Finding, for the whole process: a kernel does not change
 
-    def __init__(self, limit: int = CHECK_LIMIT) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         super().__init__()
-        self.limit = limit
+        self.limit = CHECK_LIMIT if limit is None else limit
         self.corrected: dict[str, int] = {}
         self.unverified: dict[str, str] = {}
         self.known = WeakIdKeyDictionary()  # fake integer tensor -> real tensor holding valid values
@@ -154,11 +154,13 @@ class FakeKernelCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.genuine:
-            with _disable_current_modes():
-                return self.genuine[args[0]].item()  # ``.item()`` of a value that is known for real
         try:
             out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.genuine:
+                with _disable_current_modes():
+                    return self.genuine[args[0]].item()  # ``.item()`` of a value that is known for real
+            raise
         except Exception as fake_error:
             real_error = self._real_error(func, args, kwargs)
             if real_error is None:
@@ -205,6 +207,12 @@ class FakeKernelCheck(TorchDispatchMode):
                 added += _nbytes(flat_out[i]) - _nbytes(old)
             self.corrected[str(func)] = max(self.corrected.get(str(func), 0), added)
             out = tree_unflatten(flat_out, spec)
+        if self.genuine and func._schema.is_mutable:  # values changed in place are known only if rerun here
+            for arg, t in zip(func._schema.arguments, args):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    for x in (t if isinstance(t, (list, tuple)) else [t]):
+                        if isinstance(x, torch.Tensor) and not (real_out is not None and all_genuine):
+                            self.genuine.pop(x, None)
         if real_out is not None:  # integer outputs (indices, masks) keep their values
             for fake, real in zip(flat_out, real_out):
                 if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and fake not in self.opaque:
