@@ -178,7 +178,7 @@ def predict(make_model: Callable[[], nn.Module],
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
             try:
-                roles.start()
+                roles.start(plain_tensors_only=True)
                 try:
                     step(model, optimizer, batch)
                 finally:
@@ -255,7 +255,7 @@ class _NoRoles:
     peak: dict = {}
     end: dict = {}
 
-    def start(self) -> None:
+    def start(self, plain_tensors_only: bool = False) -> None:
         pass
 
     def stop(self) -> None:

@@ -17,8 +17,9 @@ same signature, then
 * raises the real op's error when the real op refuses the inputs (a float64 batch into a float32
   ``Linear``, class labels out of range): the step would fail for real. Inputs whose values are
   known (integer tensors of a real batch, and what is computed from them) are used as they are;
-  other inputs are filled twice (floats in [0, 1), integers 0, then 1), and an error counts only
-  when both fillings raise it, so that an error caused by the made-up values does not;
+  integer inputs of unknown value are not made up (a made-up index can crash a kernel, not just
+  make it raise); floats are made up (0.5; after an error, drawn from [0, 1)), and an error counts
+  only when both fillings raise it, so that an error caused by the made-up values does not;
 * where the op is too big to run here (``limit`` bytes of inputs and outputs), it cannot know:
   an op that is not structured and allocates is then named in ``unverified``, and the prediction
   is a lower bound where such a kernel leaves memory out (the wrong fake kernels seen so far all
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-CHECK_LIMIT = 64 * 2**20  # bytes of inputs and outputs up to which an op is run for real
+CHECK_LIMIT = 16 * 2**20  # bytes of inputs and outputs up to which an op is run for real
 KNOWN_VALUES_LIMIT = 2**20  # elements: integer tensors whose real values are followed through the step
 GENUINE_FLOATS_LIMIT = 64  # elements: small float tensors (optimizer scalars) followed where their values are real
 
@@ -170,7 +171,10 @@ class FakeKernelCheck(TorchDispatchMode):
                 and not any(type(a) is FakeTensor and a in self.genuine for a in args)):
             return out
         self._seen.add(func)
-        flat_in = tree_flatten((args, kwargs))[0]
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            flat_in = tree_flatten((args, kwargs))[0]
+        else:
+            flat_in = args
         tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
         if not tensors:
             if _followable_factory(func, out):
@@ -179,11 +183,11 @@ class FakeKernelCheck(TorchDispatchMode):
             return out
         known = self.known
         has_known = bool(known) and any(t in known for t in tensors)
-        all_genuine = all(t in self.genuine or not isinstance(t, FakeTensor) for t in tensors)
         flat_out, spec = tree_flatten(out)
         trusted = _trusted(func)
         if trusted and not has_known and func not in self._fix and self._size(tensors, flat_out) > self.limit:
             return out
+        all_genuine = all(t in self.genuine or not isinstance(t, FakeTensor) for t in tensors)
         key = (func, _signature(args), _signature(kwargs))
         finding = None if has_known else self._cache.get(key)
         real_out = None
@@ -242,8 +246,9 @@ class FakeKernelCheck(TorchDispatchMode):
             return "takes integer inputs of unknown value (indices, offsets, workspaces)"
         return ""
 
-    def _real_inputs(self, args, kwargs):
-        """Real CPU tensors for the fake ones: the known values of integer tensors, floats in [0, 1) made up.
+    def _real_inputs(self, args, kwargs, varied: bool = False):
+        """Real CPU tensors for the fake ones: the known values of integer tensors, floats made up (0.5, or
+        drawn from [0, 1) when ``varied``).
         Aliases stay aliases; followed values are copied (an in-place op must not change them)."""
         made: dict[int, torch.Tensor] = {}
 
@@ -261,7 +266,9 @@ class FakeKernelCheck(TorchDispatchMode):
                         value = value.clone()
                     else:  # the whole storage, filled, then the same view of it (expanded strides included)
                         base = torch.empty(_nbytes(x) // x.element_size(), dtype=x.dtype, device="cpu")
-                        if x.is_floating_point() or x.is_complex():
+                        if (x.is_floating_point() or x.is_complex()) and not varied:
+                            base.fill_(0.5)
+                        elif x.is_floating_point() or x.is_complex():
                             base.uniform_(0, 1, generator=self._generator)
                         else:
                             base.zero_()
@@ -273,11 +280,11 @@ class FakeKernelCheck(TorchDispatchMode):
         return tree_unflatten([real(x) for x in flat], spec)
 
     def _run(self, func, args, kwargs):
-        """The real op's outputs (flattened) and None, or None and its error; twice with different made-up
-        floats, so that an error counts only when it does not depend on them."""
+        """The real op's outputs (flattened) and None, or None and its error: an error counts only when made-up
+        floats drawn afresh raise it too."""
         error = None
-        for _ in range(2):
-            real_args, real_kwargs = self._real_inputs(args, kwargs)
+        for varied in (False, True):
+            real_args, real_kwargs = self._real_inputs(args, kwargs, varied)
             try:
                 with _real_run():
                     return tree_flatten(func(*real_args, **real_kwargs))[0], None
