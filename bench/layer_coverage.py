@@ -22,7 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 F = nn.functional
-B, T, D = 8, 12, 16  # batch, sequence length, features: small, so that every op can be checked for real
+B, T, D = 8, 6, 16  # batch, sequence length, features: small, so that every op can be checked for real
 
 
 def _x(*shape):
