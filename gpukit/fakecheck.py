@@ -168,7 +168,7 @@ class FakeKernelCheck(TorchDispatchMode):
                 raise
             raise real_error.with_traceback(None) from fake_error
         if (self.quick and func in self._seen and func not in self._fix
-                and not any(type(a) is FakeTensor and a in self.genuine for a in args)):
+                and not any(isinstance(a, FakeTensor) and a in self.genuine for a in args)):
             return out
         self._seen.add(func)
         if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
@@ -182,7 +182,8 @@ class FakeKernelCheck(TorchDispatchMode):
                     self.know(out, func(*args, **kwargs))
             return out
         known = self.known
-        has_known = bool(known) and any(t in known for t in tensors)
+        # Inputs with values (a real tensor, or followed values): rerun each time, so outputs get values too.
+        has_known = any(t in known or not isinstance(t, FakeTensor) for t in tensors)
         flat_out, spec = tree_flatten(out)
         trusted = _trusted(func)
         if trusted and not has_known and func not in self._fix and self._size(tensors, flat_out) > self.limit:
@@ -303,10 +304,27 @@ class FakeKernelCheck(TorchDispatchMode):
         _, error = self._run(func, args, kwargs)
         return None if isinstance(error, NotImplementedError) else error
 
+    def _check_range(self, func, args) -> None:
+        """Indices of known value checked against the size they index, for the ops too big to run here that
+        take them (a token id past the vocabulary, a label past the classes); the real kernels' messages."""
+        aten = torch.ops.aten
+        if func is aten.embedding.default and args[1] in self.genuine:
+            ids, rows = self.genuine[args[1]], args[0].shape[0]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+                raise IndexError("index out of range in self")
+        elif func is aten.nll_loss_forward.default and args[1] in self.genuine:
+            target, classes = self.genuine[args[1]], args[0].shape[-1]
+            ignore = args[4] if len(args) > 4 else -100
+            bad = target[(target != ignore) & ((target < 0) | (target >= classes))]
+            if bad.numel():
+                raise IndexError(f"Target {int(bad[0])} is out of bounds.")
+
     def _check(self, func, args, kwargs, flat_out, tensors, trusted):
         """(Finding, the real op's flattened outputs or None)."""
         why = self._why_not_run(tensors, flat_out)
         if why:
+            with _disable_current_modes():
+                self._check_range(func, args)
             strided = [t for t in tensors if t.layout is torch.strided]
             allocates = any(isinstance(o, torch.Tensor) and (o.layout is not torch.strided or not any(
                 o.untyped_storage() is t.untyped_storage() for t in strided)) for o in flat_out)

@@ -113,3 +113,22 @@ def test_a_prediction_leaves_the_random_state_alone():
     predict(lambda: nn.Sequential(nn.Linear(4, 3), nn.Dropout()), lambda p: torch.optim.SGD(p, lr=0.1),
             lambda: (torch.randn(5, 4), torch.randint(0, 3, (5,))), step)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_out_of_range_ids_raise_where_the_op_is_too_big_to_run(monkeypatch):
+    # Embedding and loss too big to run here (more than 64 B), the ids and labels small enough to follow:
+    # they are checked against the sizes they index.
+    monkeypatch.setattr(gpukit.fakecheck, "CHECK_LIMIT", 64)
+
+    def step(model, optimizer, batch):
+        x, y = batch
+        nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+
+    model = lambda: nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 7))  # noqa: E731
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    with pytest.raises(IndexError, match="index out of range"):
+        predict(model, sgd, lambda: (torch.tensor([[1, 10]]), torch.tensor([[0, 1]])), step)
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[0, 7]])), step)
+    assert predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[-100, 6]])), step).lower_bound
