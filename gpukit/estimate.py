@@ -11,7 +11,10 @@
 with shapes, dtypes and storages but no memory behind them. It runs real training
 steps of that model (the same code a user would run) and counts every storage with
 the same counter that measures real runs on CPU (gpukit.counter), so a prediction
-and a measurement agree to the byte where the code paths agree.
+and a measurement agree to the byte where the code paths agree. Fake kernels that are
+not the real ones' own shape logic are checked against the real CPU kernels, and a step
+that would fail raises its real error (gpukit.fakecheck); ``device="cuda"`` applies
+CUDA's code paths (gpukit.cudarules).
 """
 
 from __future__ import annotations
