@@ -45,8 +45,8 @@ GENUINE_FLOATS_LIMIT = 64  # elements: small float tensors (optimizer scalars) f
 
 @dataclass(frozen=True)
 class Finding:
-    """What the real op said about one signature: output sizes that differ (index -> (shape, stride, dtype)),
-    or why it could not be run."""
+    """What the real op said about one signature: the outputs whose sizes differ, as (index, shape, stride,
+    dtype, (storage elements, storage offset)), or why it could not be run."""
 
     corrections: tuple = ()
     unverified: str = ""
