@@ -2,14 +2,17 @@
 
 For each reference setup (gpukit.models.reference_cases): the exact prediction under fake
 tensors, the real step measured on CPU, the rule of thumb, their errors, and the seconds
-the prediction took. Then the time to predict models too big for this machine.
-Writes bench/out/estimate_accuracy.csv and bench/out/estimate_large.csv.
+the prediction took. Then the time to predict models too big for this machine (wall and CPU
+seconds, with the load average: the machine may be shared). On a GPU, predict(device="cuda")
+against the same steps measured there.
+Writes bench/out/estimate_accuracy.csv, bench/out/estimate_large.csv (and estimate_accuracy_cuda.csv).
 
     python3 kit.py bench estimate_accuracy
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -55,16 +58,62 @@ def main() -> list[dict]:
 
     large = []
     for name, (make_model, make_opt, make_batch) in LARGE.items():
-        t0 = time.perf_counter()
+        load = os.getloadavg()[0]
+        t0, c0 = time.perf_counter(), time.process_time()
         pred = predict(make_model, make_opt, make_batch)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         large.append({"setup": name, "parameters": pred.parameters, "predicted_peak_bytes": pred.peak,
                       "state_before_step_bytes": pred.before_step, "predict_seconds": round(seconds, 2),
+                      "predict_cpu_seconds": round(cpu, 2), "load_average_1min": round(load, 2),
+                      "lower_bound": pred.lower_bound, "unchecked_ops": " ".join(pred.unverified_ops),
                       "torch": torch.__version__})
         print(f"{name:<40} {pred.parameters:>15,} parameters  peak {pred.peak / 2**30:8.2f} GiB"
-              f"  predicted in {seconds:.1f} s", flush=True)
+              f"  predicted in {seconds:.1f} s ({cpu:.1f} s of CPU, load average {load:.1f})"
+              f"{'  LOWER BOUND' if pred.lower_bound else ''}", flush=True)
     write_csv("estimate_large.csv", large)
+    if torch.cuda.is_available():
+        cuda_rows(rows)
     return rows
+
+
+def cuda_rows(cpu_rows: list[dict]) -> list[dict]:
+    """On a GPU: predict(device="cuda") against the same steps measured on the GPU, per reference setup.
+
+    The measured figure is the tensors before the step plus the step's peak above them (measured_step_peak);
+    the cuBLAS workspaces exist before the step and hold no tensor, so they are compared apart: predicted
+    against torch.cuda.memory_allocated() minus the live tensors after the step.
+    """
+    rows = []
+    print(f"{'setup (cuda)':<20}{'measured B':>14}{'predicted B':>14}{'error %':>9}{'workspace B':>13}"
+          f"{'measured ws B':>14}", flush=True)
+    for name, (make_model, make_opt, make_batch, _) in reference_cases(BATCH).items():
+        pred = predict(make_model, make_opt, make_batch, device="cuda")
+        real = measured_step_peak(make_model, make_opt, make_batch, device="cuda")
+        predicted = pred.peak - pred.workspaces
+        untracked = torch.cuda.memory_allocated() - _live_tensor_bytes()
+        row = {"setup": name, "device": "cuda", "measured_bytes": real, "predicted_bytes": predicted,
+               "error_pct": round(100 * (predicted - real) / real, 4), "predicted_workspace_bytes": pred.workspaces,
+               "allocated_minus_tensors_bytes": untracked, "attention_kernels": str(pred.attention_kernels),
+               "torch": torch.__version__}
+        rows.append(row)
+        print(f"{name:<20}{real:>14,}{predicted:>14,}{row['error_pct']:>9.3f}{pred.workspaces:>13,}{untracked:>14,}",
+              flush=True)
+    write_csv("estimate_accuracy_cuda.csv", rows)
+    return rows
+
+
+def _live_tensor_bytes() -> int:
+    """Rounded bytes of the distinct CUDA storages Python can reach (what is left is not a tensor's)."""
+    import gc
+
+    from gpukit.counter import round_up
+
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.layout is torch.strided:
+            st = obj.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(round_up(n) for n in seen.values())
 
 
 def summary(rows: list[dict]) -> list[str]:

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-BENCHMARKS = ["meter_overhead", "exactness", "estimate_accuracy", "batch_size", "techniques", "notebooks",
-              "allocator"]
+BENCHMARKS = ["meter_overhead", "exactness", "estimate_accuracy", "layer_coverage", "batch_size", "techniques",
+              "notebooks", "allocator"]
 
 
 def write_summary(lines: list[str], seconds: float) -> str:

@@ -11,7 +11,10 @@
 with shapes, dtypes and storages but no memory behind them. It runs real training
 steps of that model (the same code a user would run) and counts every storage with
 the same counter that measures real runs on CPU (gpukit.counter), so a prediction
-and a measurement agree to the byte where the code paths agree.
+and a measurement agree to the byte where the code paths agree. Fake kernels that are
+not the real ones' own shape logic are checked against the real CPU kernels, and a step
+that would fail raises its real error (gpukit.fakecheck); ``device="cuda"`` applies
+CUDA's code paths (gpukit.cudarules).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .allocator import follow
 from .counter import FAKE_LEDGER, round_up
+from .cudarules import TORCH_RULES_VERSION, CudaRules, cublaslt_workspace_bytes, use_cuda_optimizer_defaults
+from .fakecheck import FakeKernelCheck
 from .report import format_bytes
 from .roles import RoleTracker
 
@@ -72,6 +77,18 @@ class Prediction:
     seconds: float = 0.0
     reserved_peak: int | None = None  # the simulated CUDA caching allocator's reserved bytes at the step's peak
     allocator_events: list = field(default_factory=list, repr=False)  # what it was fed (gpukit.allocator)
+    # Ops whose fake kernel gave outputs of the wrong size, replaced by the real sizes (op -> bytes added per
+    # call), and ops that could not be checked against their real kernel (op -> why): gpukit.fakecheck.
+    corrected_ops: dict[str, int] = field(default_factory=dict)
+    unverified_ops: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"           # whose rules: "cuda" follows PyTorch 2.11's CUDA code paths (gpukit.cudarules)
+    workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
+    attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
+
+    @property
+    def lower_bound(self) -> bool:
+        """True where some op's fake kernel could not be checked (``unverified_ops``): the peak may be low."""
+        return bool(self.unverified_ops)
 
     def will_it_fit(self, sizes_gb=GPU_SIZES_GB, allowance: int = CONTEXT_ALLOWANCE):
         """A table: against GPU memory sizes (GB = 10^9 B), whether the run fits once the caching allocator's
@@ -103,11 +120,19 @@ class Prediction:
         if self.reserved_peak is not None:
             rows.append(("reserved at the peak (simulated allocator)", format_bytes(self.reserved_peak)))
         rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
+        if self.device == "cuda":
+            rows.insert(0, ("rules", f"CUDA code paths of PyTorch {TORCH_RULES_VERSION} (Hopper), on fake CPU tensors"))
+            rows.append(("  cuBLAS workspaces", format_bytes(self.workspaces)))
+            rows += [("  attention kernel", f"{k} x{n}") for k, n in self.attention_kernels.items()]
+        rows += [(f"  corrected {op}", f"+{format_bytes(n)} per call (fake kernel checked against the real one)")
+                 for op, n in self.corrected_ops.items()]
+        if self.unverified_ops:
+            rows.append(("LOWER BOUND: unchecked ops", ", ".join(self.unverified_ops)))
         rows.append(("prediction took", f"{self.seconds:.2f} s"))
         return rows
 
     def __repr__(self) -> str:
-        return "\n".join(["predicted training step (fake tensors, nothing allocated)"] +
+        return "\n".join([f"predicted training step on {self.device} (fake tensors, nothing allocated)"] +
                          [f"  {k:<28} {v}" for k, v in self._rows()])
 
     def _repr_html_(self) -> str:
@@ -120,7 +145,7 @@ def predict(make_model: Callable[[], nn.Module],
             make_optimizer: Callable[[Any], torch.optim.Optimizer],
             make_batch: Callable[[], Any],
             step: Callable[[nn.Module, torch.optim.Optimizer, Any], Any] = default_step,
-            *, warmup_steps: int = 1, modules_depth: int = 1) -> Prediction:
+            *, warmup_steps: int = 1, modules_depth: int = 1, device: str = "cpu") -> Prediction:
     """Predict the memory of one training step exactly, allocating nothing.
 
     Everything is built under ``FakeTensorMode``, so nothing is allocated; real
@@ -134,32 +159,47 @@ def predict(make_model: Callable[[], nn.Module],
         warmup_steps: steps run before the predicted one, so that gradients and
             optimizer state exist as they do in the steady state of training.
         modules_depth: depth of the per-module table (1: the model's children).
+        device: "cpu", or "cuda" to apply what a CUDA run (PyTorch 2.11, Hopper GPU) allocates differently:
+            foreach optimizers by default, cuBLAS workspaces, the attention kernel chosen (gpukit.cudarules).
 
     Returns:
         A ``Prediction``.
 
     Raises:
+        RuntimeError, IndexError...: the real error, where the step would fail for real (a dtype mismatch, wrong
+            shapes, class labels or token ids out of range where the batch's values are known): each op small
+            enough is run once for real on the CPU (gpukit.fakecheck).
         RuntimeError: from the step, when it does something fake tensors cannot
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
     t0 = time.perf_counter()
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
+    rules = CudaRules() if kind == "cuda" else contextlib.nullcontext()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, follow(FAKE_LEDGER) as simulated:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
+            follow(FAKE_LEDGER) as simulated:
         model = make_model()
         optimizer = make_optimizer(model.parameters())
-        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
+        if kind == "cuda":
+            use_cuda_optimizer_defaults(optimizer)
+        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check),
                               make_batch())
         for _ in range(warmup_steps):
             step(model, optimizer, batch)
+        check.quick = warmup_steps > 0  # the warm-up step met the ops with these shapes and this batch
         # Roles of the device the model is on (a model built on "cuda" under fake tensors has its roles there).
         model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
         roles = RoleTracker(model_device, model, optimizer)
+        if any(p.grad is not None and p.grad.layout is not torch.strided for p in model.parameters()):
+            roles = _NoRoles()  # MemTracker reads storages, which sparse gradients do not have
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
             watch = simulated.watch()
             try:
-                roles.start()
+                roles.start(plain_tensors_only=True)
                 try:
                     step(model, optimizer, batch)
                 finally:
@@ -169,11 +209,33 @@ def predict(make_model: Callable[[], nn.Module],
                 reserved_peak = simulated.unwatch(watch)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
+    workspaces, unverified = 0, dict(check.unverified)
+    if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
+        workspaces = rules.workspaces()
+        unverified.update(rules.unmodelled)
+    before += workspaces
+    before_unrounded += workspaces
+    if workspaces and reserved_peak is not None:  # each workspace is a cudaMalloc'd block of its own
+        from .allocator import CachingAllocator
+
+        sizes = [rules.workspaces()] if not rules.gemm_lt else [rules.workspaces() - cublaslt_workspace_bytes(),
+                                                                 cublaslt_workspace_bytes()]
+        reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in sizes if n)
     return Prediction(
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
-        seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events)
+        seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
+        corrected_ops=dict(check.corrected), unverified_ops=unverified,
+        device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})))
+
+
+def _to_fake(t: torch.Tensor, fake_mode: FakeTensorMode, check: FakeKernelCheck) -> torch.Tensor:
+    """A fake copy of a real batch tensor; its values are followed where they decide whether the step runs
+    (class labels, token ids)."""
+    fake = fake_mode.from_tensor(t)
+    check.know(fake, t)
+    return fake
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
@@ -187,8 +249,8 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
 
 def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
     """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
-    storages = {id(st): st.nbytes()
-                for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch))}
+    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch)
+                                               if t.layout is torch.strided)}  # the counter's rule
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
 
 
@@ -214,6 +276,22 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     with _quiet_gc(), measure(dev, record=False) as report:
         step(model, optimizer, batch)
     return _state_bytes(model, optimizer, batch)[0] + report.peak
+
+
+class _NoRoles:
+    """No breakdown by role (sparse gradients); the prediction's bytes do not depend on it."""
+
+    peak: dict = {}
+    end: dict = {}
+
+    def start(self, plain_tensors_only: bool = False) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def module_stats(self) -> dict:
+        return {}
 
 
 @contextlib.contextmanager

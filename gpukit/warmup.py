@@ -59,12 +59,11 @@ def warm_up(device: str | torch.device | int | None = None) -> int:
 def cublas_workspace_bytes(device: str | torch.device | int | None = None) -> int:
     """The size of one cuBLAS workspace on ``device``, as CublasHandlePool.cpp chooses it: the sum of
     ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs, else 32 MiB on sm90 and 8 MiB + 128 KiB elsewhere."""
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
-    if pairs:
-        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    from .cudarules import cublas_workspace_bytes as workspace_for
+
+    if re.search(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG") or ""):
+        return workspace_for()  # the configured size, whatever the GPU
     dev = resolve_device(device)
     if dev.type != "cuda":
         raise ValueError(f"cuBLAS workspaces exist on CUDA devices only, not on {dev}")
-    major, minor = torch.cuda.get_device_capability(dev)
-    return 4096 * 8 * 1024 if (major, minor) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return workspace_for(sm90=torch.cuda.get_device_capability(dev) == (9, 0))

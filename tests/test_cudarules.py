@@ -1,0 +1,97 @@
+"""predict(..., device="cuda"): CUDA's code paths applied to a fake CPU step (gpukit.cudarules).
+
+No GPU here: each rule is checked on the CPU against the CPU run of the same code path it stands for.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from gpukit.counter import round_up
+from gpukit.cudarules import cublas_workspace_bytes, sdpa_backend, use_cuda_optimizer_defaults
+from gpukit.estimate import predict
+
+
+def wide_mlp():  # the optimizer step is the peak: big parameters, a batch of one
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def batch():
+    return torch.randn(1, 256), torch.zeros(1, dtype=torch.long)
+
+
+def test_cuda_adam_is_the_foreach_implementation():
+    cuda = predict(wide_mlp, lambda p: torch.optim.Adam(p), batch, device="cuda")
+    cpu_foreach = predict(wide_mlp, lambda p: torch.optim.Adam(p, foreach=True), batch, device="cpu")
+    cpu_default = predict(wide_mlp, lambda p: torch.optim.Adam(p), batch, device="cpu")
+    assert cuda.peak - cuda.workspaces == cpu_foreach.peak
+    assert cpu_foreach.peak != cpu_default.peak  # the two implementations make different temporaries
+
+
+def test_an_explicit_choice_of_implementation_is_kept():
+    params = [nn.Parameter(torch.zeros(2))]
+    for kwargs in ({"foreach": False}, {"fused": True}):
+        opt = torch.optim.Adam(params, **kwargs)
+        assert not use_cuda_optimizer_defaults(opt)
+        assert opt.param_groups[0]["foreach"] in (False, None)
+    opt = torch.optim.SGD(params, lr=0.1)
+    assert use_cuda_optimizer_defaults(opt) and opt.param_groups[0]["foreach"] is True
+
+
+def test_matrix_products_allocate_the_cublas_and_cublaslt_workspaces(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    p = predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, device="cuda")
+    assert p.workspaces == 4096 * 1024 * 8 + 1024 * 1024  # sm90's cuBLAS default + cuBLASLt's (Linear: addmm)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes() == 4096 * 1024 * 2 + 16 * 1024 * 8
+    no_matmul = predict(lambda: nn.Sequential(nn.Flatten(), nn.LayerNorm(256)), lambda q: torch.optim.SGD(q, lr=0.1),
+                        batch, device="cuda")
+    assert no_matmul.workspaces == 0
+
+
+@pytest.mark.parametrize("dtype, head, mask, kernel", [
+    (torch.float16, 64, False, "flash"), (torch.bfloat16, 256, False, "flash"),
+    (torch.float16, 64, True, "efficient"), (torch.float32, 64, False, "efficient"),
+    (torch.float16, 264, False, "efficient"), (torch.float32, 6, False, "math"), (torch.float16, 12, True, "math"),
+])
+def test_the_attention_kernel_follows_sdp_utils(dtype, head, mask, kernel):
+    q = torch.empty(2, 4, 16, head, dtype=dtype, device="meta")
+    assert sdpa_backend(q, q, q, mask) == kernel
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def attention_step(model, optimizer, x):
+    optimizer.zero_grad(set_to_none=True)
+    model(x).backward()
+    optimizer.step()
+
+
+def test_memory_efficient_attention_pads_its_logsumexp_to_32_queries():
+    make = (lambda: Attention(32, 4), lambda q: torch.optim.SGD(q, lr=0.1), lambda: torch.randn(64, 33, 32))
+    cuda = predict(*make, attention_step, device="cuda")
+    cpu = predict(*make, attention_step, device="cpu")
+    assert cuda.attention_kernels == {"efficient": 2}  # warm-up step and predicted step
+    # float32 logsumexp of (batch 64, heads 4, queries 33) on the CPU, padded to 64 queries on CUDA
+    assert cuda.peak - cuda.workspaces - cpu.peak == round_up(64 * 4 * 64 * 4) - round_up(64 * 4 * 33 * 4)
+
+
+def test_attention_that_takes_the_math_kernel_makes_a_named_lower_bound():
+    make = (lambda: Attention(24, 4), lambda q: torch.optim.SGD(q, lr=0.1), lambda: torch.randn(4, 8, 24))
+    p = predict(*make, attention_step, device="cuda")  # head dimension 6: not a multiple of 4
+    assert p.lower_bound and "math" in p.unverified_ops["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+
+
+def test_unknown_devices_are_refused():
+    with pytest.raises(ValueError, match="'cpu' and 'cuda'"):
+        predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, device="mps")
