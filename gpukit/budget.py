@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .counter import LEDGER
+from .counter import INTERRUPTS, LEDGER
 from .meter import resolve_device
 from .report import format_bytes, parse_bytes
 
@@ -47,21 +47,47 @@ class budget:
         if self._entered:
             raise RuntimeError("a budget() object is used once; make a new one for each block")
         self._entered = True
-        if self.device.type == "cpu":
-            self._tally = LEDGER.start()
-            LEDGER.limits.append(self.limit)
-        else:
-            index = self.device.index
-            total = torch.cuda.get_device_properties(index).total_memory
-            self._previous = torch.cuda.get_per_process_memory_fraction(index)
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(min(self._previous, self.limit / total), index)
+        INTERRUPTS.hold()  # from here on, Ctrl-C waits until the cap is fully on, or fully off
+        self._tally = self._previous = None
+        try:
+            if self.device.type == "cpu":
+                self._tally = LEDGER.start()
+                LEDGER.limits.append(self.limit)
+            else:
+                index = self.device.index
+                total = torch.cuda.get_device_properties(index).total_memory
+                previous = torch.cuda.get_per_process_memory_fraction(index)
+                torch.cuda.empty_cache()
+                torch.cuda.set_per_process_memory_fraction(min(previous, self.limit / total), index)
+                self._previous = previous
+            INTERRUPTS.deliver()  # one that came while entering: take the cap off, then raise it
+        except BaseException:
+            try:
+                self._undo()
+            finally:
+                INTERRUPTS.release()
+            raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def _undo(self) -> None:
         if self.device.type == "cpu":
-            LEDGER.limits.remove(self.limit)
-            LEDGER.stop(self._tally)
-        else:
-            torch.cuda.set_per_process_memory_fraction(self._previous, self.device.index)
+            if self._tally is not None:
+                tally, self._tally = self._tally, None
+                try:
+                    LEDGER.limits.remove(self.limit)
+                except ValueError:  # the cap was not on yet
+                    pass
+                LEDGER.stop(tally)
+        elif self._previous is not None:
+            previous, self._previous = self._previous, None
+            torch.cuda.set_per_process_memory_fraction(previous, self.device.index)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._undo()
+        finally:
+            INTERRUPTS.release()  # an interrupt held back while leaving is raised here
         return False
+
+
+INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo)
