@@ -89,6 +89,7 @@ class _DeferredInterrupts:
         self.pending = False
         self.depth = 0  # open holds on the main thread
         self.previous = None
+        self._installed = self._handler  # one bound method, so that the handler is recognised
 
     def protect(self, *functions) -> None:
         """Mark functions whose frames hold interrupts back."""
@@ -101,9 +102,9 @@ class _DeferredInterrupts:
             return
         if self.depth == 0:
             current = signal.getsignal(signal.SIGINT)
-            if current is not self._handler:
+            if current is not self._installed:
                 self.previous = current
-                signal.signal(signal.SIGINT, self._handler)
+                signal.signal(signal.SIGINT, self._installed)
         self.depth += 1
 
     def release(self) -> None:
@@ -112,7 +113,7 @@ class _DeferredInterrupts:
         if threading.current_thread() is not threading.main_thread():
             return
         self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and signal.getsignal(signal.SIGINT) is self._handler:
+        if self.depth == 0 and signal.getsignal(signal.SIGINT) is self._installed:
             signal.signal(signal.SIGINT, self.previous)
         self.deliver()
 
