@@ -38,6 +38,9 @@ class budget:
     def __init__(self, limit: int | float | str, device: str | torch.device | None = None) -> None:
         self.limit = parse_bytes(limit)
         self.device = resolve_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"a budget caps 'cpu' or 'cuda' memory, not {self.device.type!r} "
+                             f"(tensors on 'meta' hold no memory to cap; measure them with device='meta')")
         self._entered = False
 
     def __repr__(self) -> str:

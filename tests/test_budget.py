@@ -120,10 +120,15 @@ def test_sizes_parse(size, expected):
     assert gpukit.parse_bytes(size) == expected
 
 
-@pytest.mark.parametrize("bad", ["four GB", "4 XB", "-1MB", "0", ""])
+@pytest.mark.parametrize("bad", ["four GB", "4 XB", "-1MB", "0", "", float("inf"), float("nan"), "1e400"])
 def test_bad_sizes_are_refused_saying_what_is_accepted(bad):
     with pytest.raises(ValueError, match="size"):
-        gpukit.budget(bad)
+        gpukit.budget(bad, device="cpu")
+
+
+def test_a_budget_on_a_device_without_memory_to_cap_is_refused():
+    with pytest.raises(ValueError, match="a budget caps 'cpu' or 'cuda' memory, not 'meta'"):
+        gpukit.budget("1MB", device="meta")
 
 
 def believed_bytes(t):
