@@ -122,6 +122,8 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
         TimeoutError: the run took longer than ``timeout``.
         RuntimeError: torchrun failed without a rank saying why (its output is in the message).
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc is the number of ranks to start: a whole number, at least 1; got {nproc!r}")
     out = Path(tempfile.mkdtemp(prefix="gpukit-ranks-"))
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     run_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
@@ -194,18 +196,45 @@ def alive(pid: int) -> bool:
             return False
 
 
-def _kill_ranks(out: Path) -> None:
-    pids = [pid for pid in rank_pids(out) if alive(pid)]
-    for pid in pids:
+def launched_processes(out: Path) -> list[int]:
+    """Every process started for the run whose results folder is ``out``: torchrun, its ranks and
+    whatever they started, found by the ``GPUKIT_RANK_RESULTS`` entry they all inherit in their
+    environment (``/proc/PID/environ``), even after their parent died and they were handed to init."""
+    marker = f"{RESULTS_ENV}={out}".encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: only what the ranks recorded
+        return [pid for pid in rank_pids(out) if alive(pid)]
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
         try:
-            os.killpg(pid, signal.SIGKILL)  # the rank and anything it started
-        except (ProcessLookupError, PermissionError):
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def _kill_ranks(out: Path) -> None:
+    """SIGKILL every process of the run (recorded pids, and every process carrying the run's marker),
+    again until none is left: a rank may start another process while the first ones die."""
+    deadline = time.monotonic() + 10
+    while True:
+        pids = sorted({pid for pid in rank_pids(out) + launched_processes(out) if alive(pid)})
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the rank and anything it started in its session
+            except (ProcessLookupError, PermissionError):
+                pass
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -186,3 +186,26 @@ def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     assert not any(alive(pid) for pid in pids)
     assert processes_running(script) == []
+
+
+def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(tmp_path):
+    # Each rank (in a session of its own, as torchrun starts them) ignores SIGTERM, starts a child in yet
+    # another session that does the same, and hangs without ever calling run_rank: launch knows no pid
+    # of theirs, and torchrun cannot stop them.
+    script = tmp_path / "stubborn.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if len(sys.argv) < 2:
+            subprocess.Popen([sys.executable, __file__, "child"], start_new_session=True)
+        time.sleep(600)
+        """))
+    with pytest.raises(TimeoutError):
+        launch(script, nproc=2, timeout=10)
+    assert processes_running(script) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_launch_of_no_ranks_is_refused(bad):
+    with pytest.raises(ValueError, match="nproc is the number of ranks"):
+        launch("gpukit.parallel", "ddp", nproc=bad)
