@@ -311,15 +311,38 @@ def publish_tensors(name: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def run_rank(main: Callable[[RankContext], None]) -> None:
     """The body of a rank started by ``launch``: records its pid, starts the process group, runs
-    ``main(ctx)``, and on an exception writes the traceback for ``launch`` to report, then re-raises."""
+    ``main(ctx)``, and on an exception writes the traceback for ``launch`` to report (and prints it).
+
+    Then it ends the process itself: the process group is destroyed (gloo's worker threads are
+    joined), stdout and stderr are flushed, and the process exits with ``os._exit``, 0 when ``main``
+    returned, 1 when it raised. A normal interpreter exit would run C++ static destructors and
+    finalization while threads the process group started may still be running; a thread destroyed
+    that way aborts the rank ("terminate called without an active exception", SIGABRT) after its
+    work is done, and fails the run at random.
+    """
     out, rank = _results_dir(), int(os.environ["RANK"])
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    code = 1
     try:
         main(init())
+        code = 0
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:
         info = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
         (out / f"rank{rank}.error").write_text(json.dumps(info))
-        raise
+        traceback.print_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            import gc
+
+            gc.collect()  # what still refers to the process group goes while the interpreter is whole
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+                    pass
+            os._exit(code)
