@@ -209,3 +209,20 @@ def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
         launch("gpukit.parallel", "ddp", nproc=bad)
+
+
+def test_a_rank_ends_right_after_its_process_group_and_not_through_interpreter_teardown(tmp_path):
+    # Interpreter teardown (atexit handlers, finalization, C++ static destructors) racing the threads a
+    # process group started is what aborted ranks at exit ("terminate called without an active exception").
+    # A rank started by run_rank exits once its work is done and its process group destroyed: teardown never
+    # runs, so an abort planted there cannot fire.
+    script = rank_script(tmp_path, """
+        import atexit
+        atexit.register(os.abort)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        publish({"sum": total.item(), "group_up": dist.is_initialized()})
+        """)
+    results = launch(script, tmp_path, nproc=2, timeout=120)
+    assert sorted(results.frame()["sum"]) == [2.0, 2.0]
+    assert "Signal 6" not in results.log and "SIGABRT" not in results.log
