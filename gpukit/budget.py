@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .counter import LEDGER
+from .counter import INTERRUPTS, LEDGER
 from .meter import resolve_device
 from .report import format_bytes, parse_bytes
 
@@ -42,6 +42,9 @@ class budget:
                  reserved: bool = False) -> None:
         self.limit = parse_bytes(limit)
         self.device = resolve_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"a budget caps 'cpu' or 'cuda' memory, not {self.device.type!r} "
+                             f"(tensors on 'meta' hold no memory to cap; measure them with device='meta')")
         self.reserved = reserved  # CPU: cap the simulated allocator's reserved memory (gpukit.allocator)
         if reserved and self.device.type != "cpu":
             raise ValueError("reserved=True caps the simulated allocator behind the CPU counter; on CUDA "
@@ -55,34 +58,62 @@ class budget:
         if self._entered:
             raise RuntimeError("a budget() object is used once; make a new one for each block")
         self._entered = True
-        if self.device.type == "cpu" and self.reserved:
-            from .allocator import cpu_device
+        INTERRUPTS.hold()  # from here on, Ctrl-C waits until the cap is fully on, or fully off
+        self._tally = self._previous = self._sim = None
+        try:
+            if self.device.type == "cpu" and self.reserved:
+                from .allocator import cpu_device
 
-            sim = cpu_device()
-            if sim is None:
-                raise RuntimeError("the simulated allocator is off: gpukit.allocator.set_cpu_simulation(True)")
-            self._tally = LEDGER.start()
-            self._sim, self._previous = sim.allocator, sim.allocator.allowed_memory_maximum
-            sim.allocator.empty_cache()  # as on CUDA: the cap applies to what the block needs
-            sim.allocator.allowed_memory_maximum = min(self.limit, self._previous or self.limit)
-        elif self.device.type == "cpu":
-            self._tally = LEDGER.start()
-            LEDGER.limits.append(self.limit)
-        else:
-            index = self.device.index
-            total = torch.cuda.get_device_properties(index).total_memory
-            self._previous = torch.cuda.get_per_process_memory_fraction(index)
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(min(self._previous, self.limit / total), index)
+                sim = cpu_device()
+                if sim is None:
+                    raise RuntimeError("the simulated allocator is off: gpukit.allocator.set_cpu_simulation(True)")
+                self._tally = LEDGER.start()
+                previous = sim.allocator.allowed_memory_maximum
+                sim.allocator.empty_cache()  # as on CUDA: the cap applies to what the block needs
+                sim.allocator.allowed_memory_maximum = min(self.limit, previous or self.limit)
+                self._sim, self._previous = sim.allocator, previous
+            elif self.device.type == "cpu":
+                self._tally = LEDGER.start()
+                LEDGER.limits.append(self.limit)
+            else:
+                index = self.device.index
+                total = torch.cuda.get_device_properties(index).total_memory
+                previous = torch.cuda.get_per_process_memory_fraction(index)
+                torch.cuda.empty_cache()
+                torch.cuda.set_per_process_memory_fraction(min(previous, self.limit / total), index)
+                self._previous = previous
+            INTERRUPTS.deliver()  # one that came while entering: take the cap off, then raise it
+        except BaseException:
+            try:
+                self._undo()
+            finally:
+                INTERRUPTS.release()
+            raise
         return self
 
+    def _undo(self) -> None:
+        if self.device.type == "cpu":
+            if self._sim is not None:
+                sim, self._sim = self._sim, None
+                sim.allowed_memory_maximum = self._previous
+            if self._tally is not None:
+                tally, self._tally = self._tally, None
+                if not self.reserved:
+                    try:
+                        LEDGER.limits.remove(self.limit)
+                    except ValueError:  # the cap was not on yet
+                        pass
+                LEDGER.stop(tally)
+        elif self._previous is not None:
+            previous, self._previous = self._previous, None
+            torch.cuda.set_per_process_memory_fraction(previous, self.device.index)
+
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self.device.type == "cpu" and self.reserved:
-            self._sim.allowed_memory_maximum = self._previous
-            LEDGER.stop(self._tally)
-        elif self.device.type == "cpu":
-            LEDGER.limits.remove(self.limit)
-            LEDGER.stop(self._tally)
-        else:
-            torch.cuda.set_per_process_memory_fraction(self._previous, self.device.index)
+        try:
+            self._undo()
+        finally:
+            INTERRUPTS.release()  # an interrupt held back while leaving is raised here
         return False
+
+
+INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo)

@@ -15,6 +15,15 @@ and add nothing, and the memory is freed when the storage's last user dies.
   every tensor Python can reach (``gc``), their ``.grad``, and the tensors saved
   by autograd graphs hanging off them, so that freeing them counts.
 
+Threads: PyTorch keeps its dispatch modes on a stack per thread
+(``torch.utils._python_dispatch``, ``TorchDispatchModeTLS`` in c10), so each
+thread that opens a block pushes a counting mode of its own and pops it from its
+own stack. Every open block counts the process, as the CUDA allocator does:
+allocations made on any thread that is inside a block, and every free.
+
+Ctrl-C: a SIGINT that arrives while gpukit updates its own state waits until the
+update is done (``INTERRUPTS``), so an interrupt never leaves a block half open.
+
 Every size is kept as requested (the CUDA allocator's ``requested_bytes``) and also
 rounded up to a multiple of 512 bytes (its ``allocated_bytes``). What that reproduces of
 the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, default configuration):
@@ -40,8 +49,12 @@ op, memory of non-strided (sparse) tensors, and storages reachable only from C++
 
 from __future__ import annotations
 
+import collections
 import gc
+import math
+import signal
 import sys
+import threading
 import weakref
 
 import torch
@@ -73,13 +86,96 @@ class Tally:
     fake tensors apart by the device they pretend to be on); None counts all.
     """
 
-    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label", "events", "phase")
+    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label", "events", "phase", "mode")
 
     def __init__(self, label: str | None = None) -> None:
         self.level = self.level_unrounded = self.peak = self.peak_unrounded = 0
         self.label = label
         self.events: list | None = None  # (level, phase) after every change, when a timeline is wanted
         self.phase = None  # a callable naming the phase of training (forward, backward, optimizer)
+        self.mode = None  # the counting mode of the thread that opened the block
+
+
+class _DeferredInterrupts:
+    """Holds back Ctrl-C while gpukit changes its own state, and delivers it right after.
+
+    Python runs a SIGINT handler between any two bytecodes of the main thread. While a
+    block is open on the main thread, gpukit's handler looks at the frames that were
+    running: inside one of gpukit's enter/exit or bookkeeping functions it only notes the
+    interrupt, which those functions then raise once their state is whole again (an
+    interrupted ``__enter__`` first undoes what it did, so the block never starts).
+    Anywhere else (the user's code in the block) it calls the handler that was there
+    before, so Ctrl-C stops the user's code at once, as always. Other threads never
+    receive SIGINT in Python, so only the main thread needs this.
+    """
+
+    def __init__(self) -> None:
+        self.codes: set = set()
+        self.pending = False
+        self.depth = 0  # open holds on the main thread
+        self.previous = None
+        self._installed = self._handler  # one bound method, so that the handler is recognised
+
+    def protect(self, *functions) -> None:
+        """Mark functions whose frames hold interrupts back."""
+        for fn in functions:
+            self.codes.add(getattr(fn, "__func__", fn).__code__)
+
+    def hold(self) -> None:
+        """Start holding back interrupts in protected code (call first thing on an enter path)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self.depth == 0:
+            current = signal.getsignal(signal.SIGINT)
+            if current is not self._installed:
+                self.previous = current
+                signal.signal(signal.SIGINT, self._installed)
+        self.depth += 1
+
+    def release(self) -> None:
+        """End a hold (last thing on an exit path); the last one puts the previous handler back.
+        Then raise an interrupt that was held back."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and signal.getsignal(signal.SIGINT) is self._installed:
+            signal.signal(signal.SIGINT, self.previous)
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Raise an interrupt that was held back, if there is one."""
+        if self.pending:
+            self.pending = False
+            self._call_previous(signal.SIGINT, sys._getframe(1))
+
+    def _handler(self, signum, frame) -> None:
+        codes, f = self.codes, frame
+        while f is not None:
+            if f.f_code in codes:
+                self.pending = True
+                return
+            f = f.f_back
+        self._call_previous(signum, frame)
+
+    def _call_previous(self, signum, frame) -> None:
+        previous = self.previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+
+INTERRUPTS = _DeferredInterrupts()
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that knows the key it is filed under."""
+
+    __slots__ = ("key",)
+
+
+class _PerThread(threading.local):
+    mode: "_CountingMode | None" = None  # this thread's counting mode, while it has a block open
 
 
 def _dispatches(cls: type) -> bool:
@@ -88,22 +184,33 @@ def _dispatches(cls: type) -> bool:
 
 
 class _CountingMode(TorchDispatchMode):
-    """Sees every op in a measured block and hands its output tensors to the ledger."""
+    """Sees every op a thread runs inside measured blocks and hands its output tensors to the ledger."""
 
     def __init__(self, ledger: "Ledger") -> None:
         super().__init__()
         self.ledger = ledger
         self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
+        self.blocks = 0  # blocks open on this mode's thread
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if types and any(t not in self.own_types and _dispatches(t) for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
-                return func(*args, **(kwargs or {}))  # fake tensors hold no memory to count here
+                return func(*args, **kwargs)  # fake tensors hold no memory to count here
             # Another tensor subclass (DTensor...): let it unwrap itself; the ops
             # it runs on plain tensors come back through this mode.
             return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        see = self.ledger.see
+        ledger = self.ledger
+        if ledger.limits:
+            ledger.check_request(func, args, kwargs)  # refuse before the memory is taken
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as err:
+            if ledger.limits and not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" in str(err):
+                raise torch.OutOfMemoryError(f"out of memory under a gpukit budget (CPU): the machine itself "
+                                             f"could not provide the memory: {err}") from err
+            raise
+        see = ledger.see
         if isinstance(out, torch.Tensor):
             see(out)
         elif isinstance(out, (tuple, list)):
@@ -114,7 +221,74 @@ class _CountingMode(TorchDispatchMode):
                     for oo in o:
                         if isinstance(oo, torch.Tensor):
                             see(oo)
+        if INTERRUPTS.pending:
+            INTERRUPTS.deliver()
         return out
+
+
+def _numel(size) -> int:
+    return math.prod(int(n) for n in size)
+
+
+def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", int]]:
+    """What an op will allocate on the CPU, known from its arguments before it runs: a list of
+    (storage that grows, or None for a new one; its bytes). Only where the arguments say it
+    exactly: factory ops with a size (``empty``, ``zeros``, ``randn``, ``new_*``, ``*_like``),
+    ``resize_``, and the ``out=`` tensors an op resizes."""
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    found = []
+    if func is torch.ops.aten.resize_.default:
+        t, size = args[0], args[1]
+        if t.is_cpu and t.layout is torch.strided:
+            found.append((t.untyped_storage(), (t.storage_offset() + _numel(size)) * t.element_size()))
+        return found
+    outs = values.get("out")
+    if outs is not None:
+        outs = [outs] if isinstance(outs, torch.Tensor) else [o for o in outs if isinstance(o, torch.Tensor)]
+        outs = [o for o in outs if o.is_cpu and o.layout is torch.strided and type(o) is torch.Tensor]
+        if not outs:
+            return found
+        if "size" in values and len(outs) == 1:
+            shapes = [values["size"]]
+        else:  # the shapes the op will give its outputs: run it on meta tensors, which allocate nothing
+            def meta(v):
+                if isinstance(v, torch.Tensor):
+                    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                if isinstance(v, (list, tuple)):
+                    return type(v)(meta(x) for x in v)
+                return v
+            try:
+                result = func(*meta(list(args)), **{k: meta(v) for k, v in kwargs.items()})
+            except Exception:  # an op without a meta kernel: counted after it runs
+                return found
+            result = [result] if isinstance(result, torch.Tensor) else list(result)
+            if len(result) != len(outs):
+                return found
+            shapes = [r.shape for r in result]
+        for o, shape in zip(outs, shapes):
+            found.append((o.untyped_storage(), (o.storage_offset() + _numel(shape)) * o.element_size()))
+        return found
+    if "dtype" in values or "dtype" in names:
+        self = values.get("self")
+        self = self if isinstance(self, torch.Tensor) else None
+        device = values.get("device") or (self.device if self is not None else torch.device("cpu"))
+        if torch.device(device).type != "cpu" or values.get("layout") not in (None, torch.strided):
+            return found
+        dtype = values.get("dtype") or (self.dtype if self is not None else torch.get_default_dtype())
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        if "size" in names and isinstance(values.get("size"), (list, tuple, torch.Size)):
+            size = values["size"]
+            if "stride" in values:  # empty_strided: the farthest element, plus one
+                numel = 0 if 0 in size else 1 + sum((int(n) - 1) * int(st) for n, st in zip(size, values["stride"]))
+            else:
+                numel = _numel(size)
+            found.append((None, numel * itemsize))
+        elif self is not None and schema.name.endswith("_like"):
+            found.append((None, self.numel() * itemsize))
+    return found
 
 
 class Ledger:
@@ -131,13 +305,19 @@ class Ledger:
         self.labels: dict[int, str] = {}  # fake ledger: id(storage) -> the device its tensor shows
         self.live_by_label: dict[str, int] = {}  # fake ledger: rounded live bytes per device shown
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
-        self._refs: dict[int, weakref.ref] = {}
-        self.tallies: list[Tally] = []
+        self._refs: dict[int, _StorageRef] = {}
+        # A storage's weak reference puts itself here when the storage dies (deque.append: no Python
+        # code runs, so nothing can interrupt it); the free is counted at the next bookkeeping step,
+        # always before the next allocation, so peaks stay exact.
+        self._dead: collections.deque = collections.deque()
+        self._lock = threading.RLock()  # one thread at a time changes the counts
+        self._thread = _PerThread()
+        self._pushed: dict[_CountingMode, threading.Thread] = {}  # counting modes on a thread's stack
+        self.tallies: list[Tally] = []  # every open block, on every thread
         self.limits: list[int] = []  # active budgets (gpukit.budget), in rounded bytes
-        self.live = 0  # bytes of all known storages, unrounded
-        self.live_rounded = 0
+        self._live = 0  # bytes of all known storages, unrounded
+        self._live_rounded = 0
         self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
-        self._mode: _CountingMode | None = None
         self._orig_storage_resize = None
         self._tensors: dict[int, weakref.ref] = {}  # every tensor object found by a scan
         # Generational scans rely on CPython <= 3.13's three-generation collector.
@@ -147,10 +327,41 @@ class Ledger:
 
     # -- bookkeeping ---------------------------------------------------------
 
+    @property
+    def live(self) -> int:
+        """Bytes of every live storage the counter knows, unrounded."""
+        self.settle()
+        return self._live
+
+    @property
+    def live_rounded(self) -> int:
+        """Bytes of every live storage the counter knows, each rounded up to 512 B."""
+        self.settle()
+        return self._live_rounded
+
+    def settle(self) -> None:
+        """Count the frees of storages that died since the last bookkeeping step."""
+        if not self._dead:
+            return
+        with self._lock:
+            dead, refs = self._dead, self._refs
+            while dead:
+                ref = dead[0]
+                key = ref.key
+                if refs.get(key) is ref:  # not a storage whose id was taken again since
+                    if self.listener is not None:
+                        self.listener.on_free(key)
+                    nbytes = self.sizes.pop(key, 0)
+                    label = self.labels.pop(key, None)
+                    del refs[key]
+                    if nbytes:
+                        self._freed(nbytes, label)
+                dead.popleft()
+
     def _allocated(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
-        self.live += nbytes
-        self.live_rounded += rounded
+        self._live += nbytes
+        self._live_rounded += rounded
         if label is not None:
             self.live_by_label[label] = self.live_by_label.get(label, 0) + rounded
         for t in self.tallies:
@@ -167,8 +378,8 @@ class Ledger:
 
     def _freed(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
-        self.live -= nbytes
-        self.live_rounded -= rounded
+        self._live -= nbytes
+        self._live_rounded -= rounded
         if label is not None:
             self.live_by_label[label] -= rounded
         for t in self.tallies:
@@ -179,28 +390,21 @@ class Ledger:
             if t.events is not None:
                 t.events.append((t.level, t.phase()))
 
-    def _on_death(self, key: int) -> None:
-        if self.listener is not None:
-            self.listener.on_free(key)
-        self._refs.pop(key, None)
-        label = self.labels.pop(key, None)
-        nbytes = self.sizes.pop(key, None)
-        if nbytes:
-            self._freed(nbytes, label)
-
     def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool, label: str | None = None) -> None:
         key = id(storage)
         if self.listener is not None:  # first: a simulated OOM leaves the storage untracked
             self.listener.on_alloc(key, nbytes, counted)
-        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_death(key))
+        ref = _StorageRef(storage, self._dead.append)
+        ref.key = key
+        self._refs[key] = ref
         self.sizes[key] = nbytes
         if label is not None:
             self.labels[key] = label
         if counted:
             self._allocated(nbytes, label)
         else:
-            self.live += nbytes
-            self.live_rounded += round_up(nbytes)
+            self._live += nbytes
+            self._live_rounded += round_up(nbytes)
             if label is not None:
                 self.live_by_label[label] = self.live_by_label.get(label, 0) + round_up(nbytes)
 
@@ -214,34 +418,65 @@ class Ledger:
         """Record ``st`` as allocated now if it is new, or its change of size.
 
         Raises:
-            torch.OutOfMemoryError: when the allocation would take the live bytes past
-                an active budget; the storage is then left untracked, to die with the op.
+            torch.OutOfMemoryError: when the allocation took the live bytes past an active
+                budget (one the op's arguments did not announce; see ``check_request``).
+                The storage is counted first: it exists, and its free will be counted too.
         """
-        nbytes = st.nbytes()
-        known = self.sizes.get(id(st))
-        if known is None:
-            self._check_budget(nbytes)
-            self._track(st, nbytes, counted=True, label=label)
-        elif known != nbytes:
-            # Like the allocator: the new block exists before the old one is freed.
-            self._check_budget(nbytes)
-            if self.listener is not None:
-                self.listener.on_resize(id(st), nbytes)
-            label = self.labels.get(id(st))
-            self.sizes[id(st)] = nbytes
-            self._allocated(nbytes, label)
-            self._freed(known, label)
+        with self._lock:
+            self.settle()
+            nbytes = st.nbytes()
+            key = id(st)
+            known = self.sizes.get(key)
+            if known is not None and self._refs[key]() is not st:  # a dead storage's id, taken again
+                if self.listener is not None:
+                    self.listener.on_free(key)
+                self._freed(self.sizes.pop(key), self.labels.pop(key, None))
+                del self._refs[key]
+                known = None
+            if known is None:
+                error = self._over_budget(nbytes)
+                self._track(st, nbytes, counted=True, label=label)
+            elif known != nbytes:
+                # Like the allocator: the new block exists before the old one is freed.
+                error = self._over_budget(nbytes)
+                if self.listener is not None:
+                    self.listener.on_resize(key, nbytes)
+                label = self.labels.get(key)
+                self.sizes[key] = nbytes
+                self._allocated(nbytes, label)
+                self._freed(known, label)
+            else:
+                return
+        if error is not None:
+            raise error
 
-    def _check_budget(self, nbytes: int) -> None:
+    def _over_budget(self, nbytes: int) -> torch.OutOfMemoryError | None:
         if not self.limits:
-            return
+            return None
         limit, want = min(self.limits), round_up(nbytes)
-        if self.live_rounded + want > limit:
-            free = max(limit - self.live_rounded, 0)
-            raise torch.OutOfMemoryError(
-                f"out of memory under a gpukit budget ({'fake tensors' if self.fake else 'CPU, simulated'}). "
-                f"Tried to allocate {_fmt(want)}; {_fmt(self.live_rounded)} already allocated; "
-                f"budget {_fmt(limit)}, of which {_fmt(free)} free.")
+        if self._live_rounded + want <= limit:
+            return None
+        free = max(limit - self._live_rounded, 0)
+        return torch.OutOfMemoryError(
+            f"out of memory under a gpukit budget ({'fake tensors' if self.fake else 'CPU, simulated'}). "
+            f"Tried to allocate {_fmt(want)}; {_fmt(self._live_rounded)} already allocated; "
+            f"budget {_fmt(limit)}, of which {_fmt(free)} free.")
+
+    def check_request(self, func, args, kwargs) -> None:
+        """Refuse an op, before it runs, whose arguments ask for more memory than the budget leaves.
+
+        Raises:
+            torch.OutOfMemoryError: as the CUDA allocator would, before any memory is taken.
+        """
+        if self.fake:
+            return
+        for storage, nbytes in _requests(func, args, kwargs):
+            if storage is not None and nbytes <= storage.nbytes():
+                continue  # fits in the storage it has
+            self.settle()
+            error = self._over_budget(nbytes)
+            if error is not None:
+                raise error
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
@@ -339,46 +574,99 @@ class Ledger:
     # -- turning the counter on and off ------------------------------------------
 
     def start(self, label: str | None = None) -> Tally:
-        """Begin a measured block: returns its tally (of one device type, or all), updated until ``stop``."""
-        self.adopt_existing()
-        tally = Tally(label)
-        self.tallies.append(tally)
-        if self._mode is None:
-            self._patch_storage_resize()
-            self._mode = _CountingMode(self)
-            self._mode.__enter__()
+        """Begin a measured block: returns its tally (of one device type, or all), updated until ``stop``.
+
+        The block counts the process: what every thread inside a block allocates, and every
+        free. This thread's counting mode is pushed on its own mode stack if it has none yet.
+        """
+        with self._lock:
+            self.settle()
+            self.adopt_existing()
+            tally = Tally(label)
+            self._forget_dead_threads()
+            mode = self._thread.mode
+            if mode is None:
+                mode = _CountingMode(self)
+                if not self._pushed:
+                    self._patch_storage_resize()
+                self._pushed[mode] = threading.current_thread()
+                try:
+                    mode.__enter__()
+                except BaseException:
+                    del self._pushed[mode]
+                    if not self._pushed:
+                        self._unpatch_storage_resize()
+                    raise
+                self._thread.mode = mode
+            mode.blocks += 1
+            tally.mode = mode
+            self.tallies.append(tally)
         return tally
 
     def stop(self, tally: Tally) -> None:
-        """End a measured block (in any order; the counter turns off with the last one)."""
-        self.tallies.remove(tally)
-        if not self.tallies and self._mode is not None:
-            mode, self._mode = self._mode, None
-            try:
-                mode.__exit__(None, None, None)
-            finally:
-                torch.UntypedStorage.resize_ = self._orig_storage_resize
+        """End a measured block (blocks may end in any order; ending one twice does nothing).
 
+        The counting mode comes off this thread's mode stack with its last block. A block that
+        ends on another thread than the one that opened it leaves that thread's mode pushed until
+        that thread ends a block of its own (a thread's mode stack is its own to change).
+        """
+        with self._lock:
+            self.settle()
+            if not any(t is tally for t in self.tallies):
+                return
+            self.tallies = [t for t in self.tallies if t is not tally]
+            mode = tally.mode
+            mode.blocks -= 1
+            if mode is self._thread.mode and mode.blocks == 0:
+                self._thread.mode = None
+                try:
+                    mode.__exit__(None, None, None)
+                finally:
+                    del self._pushed[mode]
+            self._forget_dead_threads()
+            if not self._pushed:
+                self._unpatch_storage_resize()
+
+    def _forget_dead_threads(self) -> None:
+        """A thread's mode stack ends with the thread: forget the modes of threads that ended."""
+        for mode, thread in list(self._pushed.items()):
+            if not thread.is_alive():
+                del self._pushed[mode]
     def _patch_storage_resize(self) -> None:
         # UntypedStorage.resize_ does not pass through the dispatcher (FSDP uses it).
         original = self._orig_storage_resize = torch.UntypedStorage.resize_
         ledger = self
 
         def resize_(storage, size):
-            ours = storage.device.type == ledger.storage_device
-            if ours and id(storage) not in ledger.sizes:
-                ledger._track(storage, storage.nbytes(), counted=False)
+            ours = storage.device.type == ledger.storage_device and ledger._thread.mode is not None
+            if ours:
+                with ledger._lock:
+                    ledger.settle()
+                    if id(storage) not in ledger.sizes:
+                        ledger._track(storage, storage.nbytes(), counted=False)
+                if ledger.limits and size > storage.nbytes():
+                    ledger.settle()
+                    error = ledger._over_budget(size)
+                    if error is not None:
+                        raise error
             result = original(storage, size)
             if ours:
                 ledger.see_storage(storage)
             return result
 
+        INTERRUPTS.protect(resize_)
         resize_.__wrapped__ = original
         torch.UntypedStorage.resize_ = resize_
 
+    def _unpatch_storage_resize(self) -> None:
+        if self._orig_storage_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_storage_resize
+            self._orig_storage_resize = None
+
     @property
     def active(self) -> bool:
-        return self._mode is not None
+        """Whether any thread has a block open."""
+        return bool(self.tallies) or any(m.blocks for m in self._pushed)
 
 
 def _fmt(nbytes: int) -> str:
@@ -421,6 +709,10 @@ def _saved_tensors(roots) -> list[torch.Tensor]:
 
 
 _SAVED_NAMES: dict[type, list[str]] = {}
+
+INTERRUPTS.protect(Ledger.start, Ledger.stop, Ledger.settle, Ledger.see_storage, Ledger._track, Ledger._allocated,
+                   Ledger._freed, Ledger.adopt_existing, Ledger._on_gc, Ledger.check_request,
+                   Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 
 LEDGER = Ledger()
 FAKE_LEDGER = Ledger(fake=True)

@@ -122,6 +122,8 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
         TimeoutError: the run took longer than ``timeout``.
         RuntimeError: torchrun failed without a rank saying why (its output is in the message).
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc is the number of ranks to start: a whole number, at least 1; got {nproc!r}")
     out = Path(tempfile.mkdtemp(prefix="gpukit-ranks-"))
     run_env = {**rank_environment(nproc), RESULTS_ENV: str(out), **(env or {})}
     log_path = out / "torchrun.log"
@@ -192,18 +194,45 @@ def alive(pid: int) -> bool:
             return False
 
 
-def _kill_ranks(out: Path) -> None:
-    pids = [pid for pid in rank_pids(out) if alive(pid)]
-    for pid in pids:
+def launched_processes(out: Path) -> list[int]:
+    """Every process started for the run whose results folder is ``out``: torchrun, its ranks and
+    whatever they started, found by the ``GPUKIT_RANK_RESULTS`` entry they all inherit in their
+    environment (``/proc/PID/environ``), even after their parent died and they were handed to init."""
+    marker = f"{RESULTS_ENV}={out}".encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: only what the ranks recorded
+        return [pid for pid in rank_pids(out) if alive(pid)]
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
         try:
-            os.killpg(pid, signal.SIGKILL)  # the rank and anything it started
-        except (ProcessLookupError, PermissionError):
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def _kill_ranks(out: Path) -> None:
+    """SIGKILL every process of the run (recorded pids, and every process carrying the run's marker),
+    again until none is left: a rank may start another process while the first ones die."""
+    deadline = time.monotonic() + 10
+    while True:
+        pids = sorted({pid for pid in rank_pids(out) + launched_processes(out) if alive(pid)})
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the rank and anything it started in its session
+            except (ProcessLookupError, PermissionError):
+                pass
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -296,15 +325,38 @@ def publish_tensors(name: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def run_rank(main: Callable[[RankContext], None]) -> None:
     """The body of a rank started by ``launch``: records its pid, starts the process group, runs
-    ``main(ctx)``, and on an exception writes the traceback for ``launch`` to report, then re-raises."""
+    ``main(ctx)``, and on an exception writes the traceback for ``launch`` to report (and prints it).
+
+    Then it ends the process itself: the process group is destroyed (gloo's worker threads are
+    joined), stdout and stderr are flushed, and the process exits with ``os._exit``, 0 when ``main``
+    returned, 1 when it raised. A normal interpreter exit would run C++ static destructors and
+    finalization while threads the process group started may still be running; a thread destroyed
+    that way aborts the rank ("terminate called without an active exception", SIGABRT) after its
+    work is done, and fails the run at random.
+    """
     out, rank = _results_dir(), int(os.environ["RANK"])
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    code = 1
     try:
         main(init())
+        code = 0
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:
         info = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
         (out / f"rank{rank}.error").write_text(json.dumps(info))
-        raise
+        traceback.print_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            import gc
+
+            gc.collect()  # what still refers to the process group goes while the interpreter is whole
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+                    pass
+            os._exit(code)

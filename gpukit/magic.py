@@ -57,6 +57,21 @@ def split_line(line: str) -> tuple[list[str], str]:
     return flags, rest
 
 
+def _join_values(flags: list[str]) -> list[str]:
+    """``['--budget', '-1GB']`` -> ``['--budget=-1GB']``: a value that starts with '-' stays a value
+    (argparse would take it for an option), so that it is checked, and refused, as a value."""
+    out, i = [], 0
+    while i < len(flags):
+        token = flags[i]
+        if token in _VALUE_OPTIONS and i + 1 < len(flags) and flags[i + 1].startswith("-"):
+            out.append(f"{token}={flags[i + 1]}" if token.startswith("--") else token + flags[i + 1])
+            i += 2
+        else:
+            out.append(token)
+            i += 1
+    return out
+
+
 def _default_label(code: str) -> str:
     first = next((ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
     return first if len(first) <= 40 else first[:39] + "…"
@@ -88,16 +103,16 @@ class GpuMemMagics(Magics):
                 flags, code = split_line(line)
                 if not code.strip():
                     raise UsageError("no statement to measure: %gpumem [options] STATEMENT")
-                args = self.gpumem.parser.parse_args(flags)
+                args = self.gpumem.parser.parse_args(_join_values(flags))
             else:
-                args = self.gpumem.parser.parse_args(shlex.split(line))
+                args = self.gpumem.parser.parse_args(_join_values(shlex.split(line)))
                 code = cell
             # Look names up in place: a copy of the namespace would keep every old
             # value alive through the block and hide the frees the cell makes.
             scopes = [self.shell.user_ns] if local_ns is None else [local_ns, self.shell.user_ns]
             meter = measure(args.device, label=args.label or _default_label(code),
                             **self._roles(args.roles, scopes))
-            cap = budget(args.budget, args.device) if args.budget else contextlib.nullcontext()
+            cap = budget(args.budget, args.device) if args.budget is not None else contextlib.nullcontext()
         except (UsageError, ValueError) as err:
             options = self.gpumem.parser.format_usage().replace("::", "").strip().removeprefix("%gpumem ")
             print(f"usage: %gpumem {options} STATEMENT\n   or: %%gpumem {options}   (first line of a cell)\n"
@@ -130,13 +145,18 @@ class GpuMemMagics(Magics):
     def _run(self, code: str, local_ns: dict | None):
         """Run ``code`` as IPython would; return the value of a final expression."""
         shell = self.shell
-        tree = shell.transform_ast(shell.compile.ast_parse(shell.transform_cell(code)))
+        source = shell.transform_cell(code)
+        # Registered with IPython's line cache, so that a traceback shows the cell's failing line.
+        filename = shell.compile.cache(source, shell.execution_count, raw_code=code)
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename))
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
         glob = shell.user_ns
         local = glob if local_ns is None else local_ns
-        exec(shell.compile(tree, "<gpumem>", "exec"), glob, local)
+        exec(shell.compile(tree, filename, "exec"), glob, local)
         if last is not None:
-            return eval(shell.compile(last, "<gpumem>", "eval"), glob, local)
+            value = eval(shell.compile(last, filename, "eval"), glob, local)
+            # A trailing ';' hides the value, as in a plain cell.
+            return None if shell.displayhook.semicolon_at_end_of_expression(source) else value
         return None

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .allocator import cpu_device
-from .counter import FAKE_LEDGER, LEDGER
+from .counter import FAKE_LEDGER, INTERRUPTS, LEDGER
 from .report import MemoryReport, record
 from .roles import RoleTracker
 
@@ -106,21 +106,26 @@ class _LedgerMeter:
 
     def __init__(self, ledger, label: str | None, phases: Phases | None = None) -> None:
         self.ledger, self.label, self.phases = ledger, label, phases
-        self.tally = None
+        self.tally = self.sim = None
 
     def start(self, report: MemoryReport) -> None:
         sim = cpu_device() if self.ledger is LEDGER else None  # reserved memory, simulated (gpukit.allocator)
-        self.tally = self.ledger.start(label=self.label)
+        self.tally = tally = self.ledger.start(label=self.label)
         if self.phases is not None:
-            self.tally.events, self.tally.phase = [], self.phases
-        report.live_start = (self.ledger.live_rounded if self.label is None
-                             else self.ledger.live_by_label.get(self.label, 0))
-        self.sim = sim if sim is not None and self.ledger.listener is sim else None
+            tally.events, tally.phase = [], self.phases
+        ledger = self.ledger
+        with ledger._lock:  # the level where this tally reads zero
+            ledger.settle()
+            report.live_start = (ledger.live_rounded if self.label is None
+                                 else ledger.live_by_label.get(self.label, 0)) - tally.level
+        self.sim = sim if sim is not None and ledger.listener is sim else None
         if self.sim is not None:
             report.reserved_start, report.reserved_simulated = sim.allocator.memory_reserved(), True
             self.watch = sim.watch()
 
     def stop(self, report: MemoryReport) -> None:
+        if self.tally is None:
+            return
         self.ledger.stop(self.tally)
         _fill(report, self.tally)
         if self.sim is not None:
@@ -255,39 +260,58 @@ class measure:
     def __enter__(self) -> MemoryReport:
         if self.report is not None:
             raise RuntimeError("a measure() object is used once; make a new one for each block")
-        kind = self.device.type
-        backend = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}[kind]
-        self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
-        if kind == "cuda":
-            self._meter = _CudaMeter(self.device, self._phases)
-        else:
-            ledger, label = (LEDGER, None) if kind == "cpu" else (FAKE_LEDGER, "meta")
-            self._meter = _LedgerMeter(ledger, label, self._phases)
-        if self._phases is not None:
-            self._phases.start()
-        self._meter.start(self.report)
-        if self._roles is not None:
-            try:
+        INTERRUPTS.hold()  # from here on, Ctrl-C waits until the block is fully open, or fully undone
+        started = []
+        try:
+            kind = self.device.type
+            backend = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}[kind]
+            self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
+            if kind == "cuda":
+                self._meter = _CudaMeter(self.device, self._phases)
+            else:
+                ledger, label = (LEDGER, None) if kind == "cpu" else (FAKE_LEDGER, "meta")
+                self._meter = _LedgerMeter(ledger, label, self._phases)
+            if self._phases is not None:
+                self._phases.start()
+                started.append(self._phases.stop)
+            self._meter.start(self.report)
+            started.append(lambda: self._meter.stop(self.report))
+            if self._roles is not None:
                 self._roles.start()
-            except BaseException:
-                self._meter.stop(self.report)
-                raise
-        self._t0 = time.perf_counter()
+                started.append(lambda: self._roles.stop((None, None, None)))
+            self._t0 = time.perf_counter()
+            INTERRUPTS.deliver()  # one that came while opening: undo, then raise it
+        except BaseException:
+            try:
+                for undo in reversed(started):
+                    undo()
+            finally:
+                INTERRUPTS.release()
+            raise
         return self.report
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         report = self.report
-        if self.device.type == "cuda" and exc_type is None:
-            torch.cuda.synchronize(self.device)  # the block's kernels have finished: time is real
-        report.seconds = time.perf_counter() - self._t0
         try:
-            if self._roles is not None:
-                self._roles.stop((exc_type, exc, tb))
-                report.roles_peak, report.roles_end = self._roles.peak, self._roles.end
+            if self.device.type == "cuda" and exc_type is None:
+                torch.cuda.synchronize(self.device)  # the block's kernels have finished: time is real
+            report.seconds = time.perf_counter() - self._t0
+            try:
+                if self._roles is not None:
+                    self._roles.stop((exc_type, exc, tb))
+                    report.roles_peak, report.roles_end = self._roles.peak, self._roles.end
+            finally:
+                try:
+                    self._meter.stop(report)
+                finally:
+                    if self._phases is not None:
+                        self._phases.stop()
         finally:
-            self._meter.stop(report)
-            if self._phases is not None:
-                self._phases.stop()
+            INTERRUPTS.release()  # an interrupt held back while closing is raised here
         if exc_type is None and self.record:
             record(report)
         return False
+
+
+INTERRUPTS.protect(measure.__enter__, measure.__exit__, _LedgerMeter.start, _LedgerMeter.stop, _fill,
+                   Phases.start, Phases.stop)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import html
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +38,12 @@ def parse_bytes(size: int | float | str) -> int:
     if isinstance(size, (int, float)) and not isinstance(size, bool):
         value, unit = float(size), ""
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
+        match = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"not a size: {size!r} (use bytes, or a number with B, KB, MB, GB, KiB, MiB, GiB)")
         value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value * _UNITS[unit]):
+        raise ValueError(f"not a size: {size!r} is not a finite number of bytes")
     nbytes = int(value * _UNITS[unit])
     if nbytes <= 0:
         raise ValueError(f"a size must be positive, got {size!r}")
@@ -152,15 +156,32 @@ class MemoryReport:
         return "".join(out)
 
 
-_HISTORY: list[MemoryReport] = []
+HISTORY_LIMIT = 1000  # reports kept by default: a long loop that records every step stays bounded
+
+_HISTORY: collections.deque[MemoryReport] = collections.deque(maxlen=HISTORY_LIMIT)
 
 
 def record(report: MemoryReport) -> None:
     _HISTORY.append(report)
 
 
+def keep_history(limit: int | None = HISTORY_LIMIT) -> None:
+    """Keep the ``limit`` most recent reports in the session history (``None``: keep them all).
+
+    Each report is about half a kilobyte, ten with a timeline; the default keeps the last 1000.
+
+    Raises:
+        ValueError: for a limit that is not a positive whole number or None.
+    """
+    global _HISTORY
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"keep_history takes a positive number of reports, or None for all; got {limit!r}")
+    _HISTORY = collections.deque(_HISTORY, maxlen=limit)
+
+
 def history():
-    """Every report recorded this session, oldest first, as a pandas DataFrame (one row each)."""
+    """The reports recorded this session (the most recent ``keep_history`` of them, 1000 by default),
+    oldest first, as a pandas DataFrame (one row each)."""
     import pandas as pd
 
     columns = [f.name for f in dataclasses.fields(MemoryReport)
@@ -168,11 +189,23 @@ def history():
     return pd.DataFrame([r.to_dict() for r in _HISTORY], columns=None if _HISTORY else columns)
 
 
-def last() -> MemoryReport:
-    """The most recent recorded report. Raises LookupError if nothing was measured yet."""
-    if not _HISTORY:
-        raise LookupError("no measurement yet: run a cell with %%gpumem or a `with gpukit.measure():` block first")
-    return _HISTORY[-1]
+def last(label: str | None = None) -> MemoryReport:
+    """The most recent recorded report, or the most recent one with this ``label``.
+
+    Raises:
+        LookupError: if nothing (with that label) was measured yet.
+    """
+    if label is None:
+        if not _HISTORY:
+            raise LookupError("no measurement yet: run a cell with %%gpumem or a `with gpukit.measure():` "
+                              "block first")
+        return _HISTORY[-1]
+    for report in reversed(_HISTORY):
+        if report.label == label:
+            return report
+    known = sorted({r.label for r in _HISTORY if r.label})
+    raise LookupError(f"no measurement labelled {label!r} yet: run the cell that measures it first "
+                      f"(labels so far: {', '.join(map(repr, known)) or 'none'})")
 
 
 def clear_history() -> None:

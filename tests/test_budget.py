@@ -120,7 +120,71 @@ def test_sizes_parse(size, expected):
     assert gpukit.parse_bytes(size) == expected
 
 
-@pytest.mark.parametrize("bad", ["four GB", "4 XB", "-1MB", "0", ""])
+@pytest.mark.parametrize("bad", ["four GB", "4 XB", "-1MB", "0", "", float("inf"), float("nan"), "1e400"])
 def test_bad_sizes_are_refused_saying_what_is_accepted(bad):
     with pytest.raises(ValueError, match="size"):
-        gpukit.budget(bad)
+        gpukit.budget(bad, device="cpu")
+
+
+def test_a_budget_on_a_device_without_memory_to_cap_is_refused():
+    with pytest.raises(ValueError, match="a budget caps 'cpu' or 'cuda' memory, not 'meta'"):
+        gpukit.budget("1MB", device="meta")
+
+
+def believed_bytes(t):
+    """The size the counter has on file for ``t``'s storage."""
+    return LEDGER.sizes.get(id(t.untyped_storage()))
+
+
+@pytest.mark.parametrize("grow", [
+    lambda t: t.resize_(10_000_000),
+    lambda t: torch.randn(10_000_000, out=t),
+    lambda t: torch.add(torch.ones(10_000_000).expand(2, 10_000_000)[0], 1, out=t),
+    lambda t: t.untyped_storage().resize_(40_000_000),
+], ids=["resize_", "randn-out", "add-out", "storage-resize_"])
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_storage_that_would_grow_past_the_budget_is_refused_before_it_grows(grow):
+    t = torch.empty(10)
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 38.15 MiB"):
+        with gpukit.budget(LEDGER.live_rounded + 1_000_000, device="cpu"):
+            grow(t)
+    nbytes = t.untyped_storage().nbytes()
+    assert (nbytes, believed_bytes(t)) == (40, 40)  # refused before: the 40 MB never existed
+
+
+@pytest.mark.parametrize("grow", [
+    lambda t: t.resize_(1_000_000),
+    lambda t: torch.randn(1_000_000, out=t),
+    lambda t: torch.add(torch.zeros(1_000_000), 1, out=t),
+], ids=["resize_", "randn-out", "add-out"])
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_storage_that_grows_in_place_is_counted_at_its_new_size(grow):
+    t = torch.empty(10)
+    with gpukit.budget(10**9, device="cpu"), gpukit.measure(device="cpu", record=False) as r:
+        grow(t)
+    nbytes = t.untyped_storage().nbytes()
+    assert (nbytes, believed_bytes(t)) == (4_000_000, 4_000_000)
+    with gpukit.measure(device="cpu", record=False) as freed:
+        del t
+    assert freed.delta == -round_up(4_000_000)
+    assert r.delta >= round_up(4_000_000) - 512
+
+
+@pytest.mark.parametrize("make", [
+    lambda base: torch.ones(100_000_000),
+    lambda base: torch.empty(2**45, dtype=torch.uint8),                 # 32 TiB: more than any machine here
+    lambda base: base.new_ones((2**22, 2**22)),
+    lambda base: torch.empty_like(base.expand(2**43)),
+    lambda base: base.expand(2**43).contiguous(),                       # no size argument: the allocator fails
+], ids=["ones-400MB", "empty-32TiB", "new_ones", "empty_like", "contiguous-32TiB"])
+def test_a_request_past_the_budget_raises_out_of_memory_before_the_memory_is_taken(make):
+    base = torch.ones(1)
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    live = LEDGER.live_rounded
+    with pytest.raises(torch.OutOfMemoryError):
+        with gpukit.budget(live + 1_000_000, device="cpu"):
+            make(base)
+    assert LEDGER.live_rounded == live

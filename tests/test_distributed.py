@@ -203,3 +203,43 @@ def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     assert not any(alive(pid) for pid in pids)
     assert processes_running(script) == []
+
+
+def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(tmp_path):
+    # Each rank (in a session of its own, as torchrun starts them) ignores SIGTERM, starts a child in yet
+    # another session that does the same, and hangs without ever calling run_rank: launch knows no pid
+    # of theirs, and torchrun cannot stop them.
+    script = tmp_path / "stubborn.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if len(sys.argv) < 2:
+            subprocess.Popen([sys.executable, __file__, "child"], start_new_session=True)
+        time.sleep(600)
+        """))
+    with pytest.raises(TimeoutError):
+        launch(script, nproc=2, timeout=10)
+    assert processes_running(script) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_launch_of_no_ranks_is_refused(bad):
+    with pytest.raises(ValueError, match="nproc is the number of ranks"):
+        launch("gpukit.parallel", "ddp", nproc=bad)
+
+
+def test_a_rank_ends_right_after_its_process_group_and_not_through_interpreter_teardown(tmp_path):
+    # Interpreter teardown (atexit handlers, finalization, C++ static destructors) racing the threads a
+    # process group started is what aborted ranks at exit ("terminate called without an active exception").
+    # A rank started by run_rank exits once its work is done and its process group destroyed: teardown never
+    # runs, so an abort planted there cannot fire.
+    script = rank_script(tmp_path, """
+        import atexit
+        atexit.register(os.abort)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        publish({"sum": total.item(), "group_up": dist.is_initialized()})
+        """)
+    results = launch(script, tmp_path, nproc=2, timeout=120)
+    assert sorted(results.frame()["sum"]) == [2.0, 2.0]
+    assert "Signal 6" not in results.log and "SIGABRT" not in results.log

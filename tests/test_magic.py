@@ -80,6 +80,11 @@ def test_quiet_records_but_displays_nothing(shell, capsys):
     "%%gpumem --device cpu -l",
     "%%gpumem --device cpu -l 'unclosed",
     "%%gpumem --device cpu --budget lots",
+    "%%gpumem --device cpu --budget 1e400",
+    "%%gpumem --device cpu --budget ''",
+    "%%gpumem --device cpu --budget -1GB",
+    "%%gpumem --device cpu -b -1GB",
+    "%%gpumem --device meta --budget 1MB",
 ])
 def test_bad_flags_print_usage_and_run_nothing(shell, capsys, line):
     result = run(shell, f"{line}\nran = True")
@@ -151,3 +156,29 @@ def test_budget_flag_runs_the_cell_as_if_on_a_smaller_device(shell):
     assert "fits" in shell.user_ns and "too_big" not in shell.user_ns
     assert LEDGER.limits == [] and not LEDGER.active
     assert run(shell, "%%gpumem --device cpu -q --budget 1GB\nok = torch.empty(1_000_000)").success
+
+
+@pytest.mark.parametrize("line, says", [
+    ("%%gpumem --device cpu --budget -1GB", "a size must be positive, got '-1GB'"),
+    ("%%gpumem --device cpu --budget 1e400", "not a finite number of bytes"),
+    ("%%gpumem --device cpu --budget ''", "not a size: ''"),
+    ("%%gpumem --device meta --budget 1MB", "a budget caps 'cpu' or 'cuda' memory"),
+])
+def test_bad_budgets_say_what_is_wrong(shell, capsys, line, says):
+    run(shell, f"{line}\nran = True")
+    assert says in capsys.readouterr().err
+    assert "ran" not in shell.user_ns
+
+
+def test_a_traceback_from_a_measured_cell_shows_the_failing_line(shell, capsys):
+    result = run(shell, "%%gpumem --device cpu\nx = 1\ny = x / 0  # the failing line\n")
+    out = capsys.readouterr()
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    text = out.out + out.err
+    assert "y = x / 0  # the failing line" in text and "Could not get source" not in text
+
+
+def test_a_trailing_semicolon_hides_the_value_as_in_a_plain_cell(shell):
+    assert run(shell, "%%gpumem --device cpu --quiet\n1 + 1;").result is None
+    assert run(shell, "%%gpumem --device cpu --quiet\n1 + 1").result == 2
+    assert run(shell, "%%gpumem --device cpu --quiet\n1 + 1;  # a comment after it").result is None

@@ -266,3 +266,34 @@ def test_cuda_counts_small_requests_exactly_and_large_ones_up_to_a_mib_more(nbyt
     from gpukit.counter import cuda_allocated_range
 
     assert cuda_allocated_range(nbytes) == (low, high)
+
+
+def test_history_is_bounded_by_default_and_can_keep_more():
+    from gpukit.report import HISTORY_LIMIT, record
+
+    try:
+        for i in range(HISTORY_LIMIT + 5):
+            record(gpukit.MemoryReport(label=f"step {i}"))
+        h = gpukit.history()
+        assert len(h) == HISTORY_LIMIT and h["label"].iloc[-1] == f"step {HISTORY_LIMIT + 4}"
+        gpukit.keep_history(None)  # keep everything from now on
+        for i in range(10):
+            record(gpukit.MemoryReport(label="more"))
+        assert len(gpukit.history()) == HISTORY_LIMIT + 10
+        gpukit.keep_history(3)
+        assert list(gpukit.history()["label"]) == ["more"] * 3
+        with pytest.raises(ValueError, match="positive number of reports"):
+            gpukit.keep_history(0)
+    finally:
+        gpukit.keep_history()
+
+
+def test_a_report_is_found_by_its_label_and_a_missing_label_says_so():
+    with gpukit.measure(device="cpu", label="first"):
+        x = torch.empty(256)
+    with gpukit.measure(device="cpu", label="second"):
+        y = torch.empty(512)
+    assert gpukit.last("first").delta == 1024 and gpukit.last("second").delta == 2048
+    with pytest.raises(LookupError, match="no measurement labelled 'third'.*'first', 'second'"):
+        gpukit.last("third")
+    del x, y

@@ -1,0 +1,105 @@
+"""Ctrl-C at any line of gpukit's enter/exit code: the interrupt is raised exactly once, never swallowed,
+and leaves no block open, no budget on, no counting mode pushed and no drift in the counter.
+
+A real SIGINT (signal.raise_signal, as Ctrl-C sends) is raised at each distinct line that the enter and
+exit paths of ``budget`` and ``measure`` run, one line per run.
+"""
+
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import gpukit
+from gpukit.counter import INTERRUPTS, LEDGER
+
+HERE = os.path.dirname(gpukit.__file__)
+TRACED = tuple(os.path.join(HERE, f) for f in ("counter.py", "meter.py", "budget.py", "roles.py")) + (
+    os.path.join(os.path.dirname(torch.__file__), "utils", "_python_dispatch.py"),)
+
+
+def scenario(model, optimizer, x):
+    with gpukit.budget("1 GiB", device="cpu"):
+        with gpukit.measure(device="cpu", record=False, timeline=True, model=model, optimizer=optimizer) as r:
+            y = model(x).sum()
+            y.backward()
+            del y
+    return r
+
+
+class Injector:
+    """A trace function that raises SIGINT at the first time the run reaches one chosen line."""
+
+    def __init__(self, target=None):
+        self.target, self.lines, self.fired = target, [], False
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename not in TRACED:
+            return None
+        return self.local
+
+    def local(self, frame, event, arg):
+        if event == "line":
+            where = (frame.f_code.co_filename, frame.f_lineno)
+            if self.target is None:
+                if where not in self.seen:
+                    self.seen.add(where)
+                    self.lines.append(where)
+            elif where == self.target and not self.fired:
+                self.fired = True
+                signal.raise_signal(signal.SIGINT)
+        return self.local
+
+    seen: set
+
+
+def run_traced(injector, *args):
+    sys.settrace(injector)
+    try:
+        return scenario(*args)
+    finally:
+        sys.settrace(None)
+
+
+def state():
+    return (list(LEDGER.tallies), list(LEDGER.limits), LEDGER.active, dict(LEDGER._pushed), INTERRUPTS.depth,
+            INTERRUPTS.pending, signal.getsignal(signal.SIGINT), _get_current_dispatch_mode(),
+            getattr(torch.UntypedStorage.resize_, "__wrapped__", None))
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="needs the trace hook (coverage or a debugger holds it)")
+def test_an_interrupt_at_any_line_of_enter_or_exit_leaves_nothing_behind():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters())
+    x = torch.ones(8, 64)
+    scenario(model, optimizer, x)  # warm up: grads exist, the counter knows the process
+    clean = state()
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    live = LEDGER.live
+
+    finder = Injector()
+    finder.seen = set()
+    run_traced(finder, model, optimizer, x)
+    assert len(finder.lines) > 50  # the enter and exit paths, not just a line or two
+
+    interrupted = 0
+    for line in finder.lines:
+        injector = Injector(line)
+        try:
+            run_traced(injector, model, optimizer, x)
+        except KeyboardInterrupt:
+            interrupted += 1
+        assert injector.fired
+        assert state() == clean, f"state left open by an interrupt at {line}"
+        model.zero_grad(set_to_none=False)
+        with gpukit.measure(device="cpu", record=False) as r:
+            t = torch.empty(1000)
+            del t
+        assert (r.peak, r.delta) == (4096, 0), f"the meter is off after an interrupt at {line}"
+        assert LEDGER.live == live, f"the counter drifted after an interrupt at {line}"
+    assert interrupted == len(finder.lines)  # every interrupt reached the caller: none was swallowed

@@ -1,0 +1,156 @@
+"""Blocks on several threads: each thread pushes and pops its own counting mode, and every open block
+counts the process (allocations on every thread inside a block, and every free), as CUDA's allocator does."""
+
+import threading
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import gpukit
+from gpukit.counter import LEDGER, round_up
+
+MB = 250_000  # float32 elements in 1 MB
+
+
+def in_threads(*bodies):
+    """Run each body on a thread of its own; re-raise the first error any of them hit."""
+    errors, modes_after = [], []
+
+    def wrap(body):
+        try:
+            body()
+            modes_after.append(_get_current_dispatch_mode())
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=wrap, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    assert modes_after == [None] * len(bodies)  # no thread is left with a counting mode
+
+
+def test_overlapping_blocks_on_two_threads_each_see_the_process():
+    step = threading.Barrier(2, timeout=30)
+    reports = {}
+
+    def first():
+        with gpukit.measure(device="cpu", record=False) as reports["a"]:
+            step.wait()                      # 1: both blocks are open
+            a = torch.empty(MB)              # +1 MB, seen by both blocks
+            step.wait()                      # 2
+            step.wait()                      # 3: the other thread made and freed 2 MB, kept 3 MB
+        step.wait()                          # 4: this block ended first, the other is still open
+        step.wait()                          # 5
+        del a
+
+    def second():
+        with gpukit.measure(device="cpu", record=False) as reports["b"]:
+            step.wait()                      # 1
+            step.wait()                      # 2
+            tmp = torch.empty(2 * MB)
+            del tmp
+            kept = torch.empty(3 * MB)
+            step.wait()                      # 3
+            step.wait()                      # 4
+            b = torch.empty(MB)              # after the first block ended: only this block sees it
+            step.wait()                      # 5
+        del kept, b
+
+    in_threads(first, second)
+    one, two, three = round_up(4 * MB), round_up(8 * MB), round_up(12 * MB)
+    a, b = reports["a"], reports["b"]
+    assert (a.peak, a.delta) == (one + max(two, three), one + three)
+    assert (b.peak, b.delta) == (one + three + one, one + three + one)
+    assert not LEDGER.active and not LEDGER._pushed
+    assert torch.UntypedStorage.resize_ is LEDGER._orig_storage_resize or LEDGER._orig_storage_resize is None
+
+
+def test_a_block_on_one_thread_counts_the_allocations_and_frees_of_a_block_on_another():
+    # Another thread's tensor, made and dropped inside its own block, nets to zero in this one.
+    step = threading.Barrier(2, timeout=30)
+    reports = {}
+
+    def watcher():
+        with gpukit.measure(device="cpu", record=False) as reports["w"]:
+            step.wait()
+            step.wait()
+
+    def worker():
+        step.wait()
+        with gpukit.measure(device="cpu", record=False) as reports["x"]:
+            x = torch.empty(MB)
+            del x
+        step.wait()
+
+    in_threads(watcher, worker)
+    assert (reports["w"].delta, reports["w"].peak) == (0, round_up(4 * MB))
+    assert (reports["x"].delta, reports["x"].peak) == (0, round_up(4 * MB))
+
+
+def test_many_threads_opening_and_closing_blocks_leave_no_mode_and_no_drift():
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    before = LEDGER.live_rounded
+    deltas = []
+
+    def body():
+        for _ in range(30):
+            with gpukit.measure(device="cpu", record=False) as r:
+                t = torch.ones(1000) * 2
+                del t
+            deltas.append(r.delta)
+
+    in_threads(*[body] * 4)
+    assert not LEDGER.active and not LEDGER._pushed
+    assert LEDGER.live_rounded == before
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_budget_on_one_thread_caps_a_measured_block_on_another():
+    # One process, one cap (CUDA's set_per_process_memory_fraction is per process too).
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    cap = LEDGER.live_rounded + round_up(4 * MB)
+    step = threading.Barrier(2, timeout=30)
+    outcome = {}
+
+    def capped():
+        with gpukit.budget(cap, device="cpu"):
+            step.wait()
+            step.wait()
+
+    def other():
+        step.wait()
+        try:
+            with gpukit.measure(device="cpu", record=False):
+                torch.empty(2 * MB)
+        except torch.OutOfMemoryError:
+            outcome["oom"] = True
+        step.wait()
+
+    in_threads(capped, other)
+    assert outcome == {"oom": True}
+    assert LEDGER.limits == [] and not LEDGER.active
+
+
+def test_a_block_that_ends_on_another_thread_still_closes():
+    meter = gpukit.measure(device="cpu", record=False)
+    opened = threading.Event()
+
+    def opener():
+        report = meter.__enter__()
+        torch.empty(MB)
+        opened.report = report
+        opened.set()
+
+    t = threading.Thread(target=opener)
+    t.start()
+    t.join()
+    assert opened.is_set()
+    meter.__exit__(None, None, None)  # on this thread
+    assert not LEDGER.tallies
+    assert opened.report.peak == round_up(4 * MB)
