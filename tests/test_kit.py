@@ -1,6 +1,6 @@
 """kit.py: `python3 kit.py lab` starts JupyterLab on notebooks/; the set-up links a torch that python3 already
 has (from its site-packages or its user site) only when .venv can use it; the test run loads only the pytest
-plugins the suite names."""
+plugins the suite names; the browser test finds a Chromium in its order or says what to run."""
 
 import importlib.util
 import json
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import find_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,3 +185,67 @@ def test_the_test_run_loads_only_the_plugins_the_suite_names(tmp_path):
     # ...and nbval is loaded by name: pyproject's addopts carry --nbval-lax, which pytest would refuse otherwise
     done = subprocess.run(cmd, cwd=ROOT, env=kit.test_environment(base), capture_output=True, text=True)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
+# -- a browser for the browser test --------------------------------------------------------------------------
+
+
+def fake_program(path: Path, output: str, status: int = 0) -> str:
+    path.write_text(f"#!/bin/sh\necho '{output}'\nexit {status}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def refuse(name):
+    def step():
+        raise AssertionError(f"{name} was tried after a browser was found")
+    return step
+
+
+def test_an_installed_chromium_comes_first(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUKIT_CHROMIUM", raising=False)
+    chrome = fake_program(tmp_path / "google-chrome", "Google Chrome 141.0.7390.54")
+    which = {"google-chrome": chrome}.get
+    assert find_chromium.find_chromium(which, apt=refuse("apt"), playwright=refuse("playwright")) == chrome
+
+
+def test_ubuntus_snap_pointer_is_passed_over_for_debians_package(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUKIT_CHROMIUM", raising=False)
+    snap = fake_program(tmp_path / "chromium-browser",
+                        "Command '/usr/bin/chromium-browser' requires the chromium snap to be installed.", 1)
+    debian = fake_program(tmp_path / "chromium", "Chromium 141.0.7390.54 built on Debian GNU/Linux 12")
+    which = {"chromium-browser": snap}.get
+    assert find_chromium.find_chromium(which, apt=lambda: (debian, ""), playwright=refuse("playwright")) == debian
+
+
+def test_playwrights_chromium_when_apt_has_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUKIT_CHROMIUM", raising=False)
+    own = fake_program(tmp_path / "chrome", "Chromium 141.0.7390.37")
+    found = find_chromium.find_chromium(lambda name: None, apt=lambda: (None, "no apt-get"),
+                                        playwright=lambda: (own, ""))
+    assert found == own
+
+
+def test_no_browser_at_all_is_one_line_that_says_what_to_run(monkeypatch):
+    monkeypatch.delenv("GPUKIT_CHROMIUM", raising=False)
+    with pytest.raises(find_chromium.NoChromium) as missing:
+        find_chromium.find_chromium(
+            lambda name: None, apt=lambda: (None, "`install -y chromium`: E: Package 'chromium' has no "
+                                                  "installation candidate"),
+            playwright=lambda: (None, "`playwright install chromium`: Error: getaddrinfo EAI_AGAIN"))
+    message = str(missing.value)
+    assert "\n" not in message
+    assert "apt-get install -y chromium" in message and "playwright install chromium" in message
+    assert "no installation candidate" in message and "EAI_AGAIN" in message
+
+
+def test_apt_is_not_tried_without_apt_get_or_root(monkeypatch):
+    assert find_chromium.apt_chromium(lambda name: None) == (None, "no apt-get")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert find_chromium.apt_chromium(lambda name: "/usr/bin/apt-get") == (None, "apt-get needs root")
+
+
+def test_gpukit_chromium_names_a_browser_outside_path(tmp_path, monkeypatch):
+    chrome = fake_program(tmp_path / "chrome", "Chromium 141.0.7390.54")
+    monkeypatch.setenv("GPUKIT_CHROMIUM", chrome)
+    assert find_chromium.installed(lambda name: None) == chrome
