@@ -14,7 +14,7 @@ from gpukit.models import MLP
 # One setup proves the search (it needs a few dozen predictions and real steps); bench/batch_size.py runs it on
 # every reference model, and tests/test_estimate.py checks the predictions themselves on each of them.
 SETUPS = {
-    "mlp + adam": (lambda: MLP(width=256, depth=2), lambda p: torch.optim.Adam(p), digits_batch, 2_500_000),
+    "mlp + adam": (lambda: MLP(width=256, depth=2), lambda p: torch.optim.Adam(p), digits_batch, 6_000_000),
 }
 MARGIN = 0.05
 
