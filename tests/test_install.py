@@ -61,7 +61,9 @@ def environment_with_another_torch(path: Path) -> tuple[Path, Path]:
 def test_pip_install_from_a_git_url_keeps_the_torch_and_ships_the_data(tmp_path):
     source = repository_snapshot(tmp_path / "gpukit-src")
     python, site_dir = environment_with_another_torch(tmp_path / "env")
+    # No pip configuration either (a find-links folder could serve a torch): only what is installed counts.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_"))}
+    env["PIP_CONFIG_FILE"] = os.devnull
     done = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index",
                            "--no-build-isolation", "--disable-pip-version-check", f"git+file://{source}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
