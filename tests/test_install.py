@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -49,7 +48,9 @@ def environment_with_another_torch(path: Path) -> tuple[Path, Path]:
     python = path / "bin" / "python"
     site_dir = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                    capture_output=True, text=True, check=True).stdout.strip())
-    (site_dir / "_linked.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # every site folder this interpreter imports from (a venv's own, and any it links in turn)
+    linked = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    (site_dir / "_linked.pth").write_text("\n".join(linked) + "\n")
     info = site_dir / f"torch-{OTHER_TORCH}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {OTHER_TORCH}\n")
