@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_TORCH = "2.11.0+cu130"
@@ -60,6 +61,9 @@ def environment_with_another_torch(path: Path) -> tuple[Path, Path]:
 
 
 def test_pip_install_from_a_git_url_keeps_the_torch_and_ships_the_data(tmp_path):
+    setuptools = pytest.importorskip("setuptools")
+    assert Version(setuptools.__version__) >= Version("70.1"), \
+        f"builds gpukit offline with the test extra's setuptools (>=70.1 has bdist_wheel), not {setuptools.__version__}"
     source = repository_snapshot(tmp_path / "gpukit-src")
     python, site_dir = environment_with_another_torch(tmp_path / "env")
     # No pip configuration either (a find-links folder could serve a torch): only what is installed counts.
