@@ -127,11 +127,12 @@ def test_report_offers_html_to_jupyter(shell):
 def test_no_leak_over_20_magic_runs(shell):
     run(shell, "w = torch.nn.Linear(50, 50)\nxs = torch.ones(8, 50)")
     run(shell, "%%gpumem -q\nw(xs).sum().backward()")  # the grads exist from here on
+    import gc
+
+    gc.collect()  # garbage of earlier tests, freed during the runs, would otherwise count as a difference
     start = (LEDGER.live, len(LEDGER.sizes))
     for _ in range(20):  # the counts must come back exactly: one leaked entry per run would show
         run(shell, "%%gpumem -q\nw.zero_grad(set_to_none=True)\nw(xs).sum().backward()")
-    import gc
-
     gc.collect()
     assert (LEDGER.live, len(LEDGER.sizes)) == start
     assert gpukit.last().delta == 0 and len(gpukit.history()) == 21
