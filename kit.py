@@ -10,9 +10,13 @@
 
 Extra arguments after the command go to JupyterLab, pytest or the benchmark.
 
-torch is pinned (requirements.txt). If the python3 that runs this script can
-already import torch (a GPU machine's own CUDA build, say), .venv is linked to
-that torch and keeps it instead of installing the pinned CPU version.
+.venv gets the exact versions in constraints.txt (gpukit itself declares ranges,
+in pyproject.toml). If the python3 that runs this script can already import a
+torch within gpukit's range (a GPU machine's own CUDA build, say, from its
+site-packages or its user site), .venv is linked to that torch and keeps it
+instead of installing the pinned one. The tests run with pytest's plugin
+autoloading off (a linked environment brings its own pytest plugins); the
+plugins the suite needs are named in pyproject.toml's addopts.
 Needs only the Python standard library, so it runs on a fresh machine.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +34,8 @@ VENV = ROOT / ".venv"
 VENV_PY = VENV / "bin" / "python"
 STAMP = VENV / ".gpukit-installed"
 LINK_PTH = "_gpukit_outer_torch.pth"
-REQUIREMENT_FILES = ("requirements.txt", "requirements-test.txt", "pyproject.toml")
+LOCK = ROOT / "constraints.txt"
+REQUIREMENT_FILES = ("constraints.txt", "pyproject.toml")
 
 
 def _run(cmd: list[str], **kwargs) -> None:
@@ -37,13 +43,75 @@ def _run(cmd: list[str], **kwargs) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)
 
 
-def _outer_torch_paths() -> list[str]:
-    """Site-packages folders of this interpreter, if it can import torch (else [])."""
-    probe = "import torch, site, sys; print('\\n'.join(site.getsitepackages()))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+# Run by the outer python: its torch's version, then the folders that make it importable, in its own order
+# (the user site and site-packages as on its sys.path, and the folder torch itself was imported from).
+_PROBE = """import os, site, sys, torch
+sites = set(site.getsitepackages()) | {site.getusersitepackages()}
+dirs = [p for p in sys.path if p in sites] + [os.path.dirname(os.path.dirname(torch.__file__))]
+print(torch.__version__)
+print("\\n".join(dict.fromkeys(d for d in dirs if os.path.isdir(d))))"""
+
+
+def outer_torch(python: str = sys.executable) -> tuple[str, list[str]] | None:
+    """(torch's version, the folders to link) if ``python`` can import torch, else None."""
+    done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True)
     if done.returncode != 0:
-        return []
-    return [line for line in done.stdout.splitlines() if line.strip()]
+        return None
+    version, *dirs = done.stdout.split("\n")
+    return version.strip(), [d for d in dirs if d.strip()]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(x) for x in parts.group(0).split(".")) if parts else ()
+
+
+def torch_range() -> str:
+    """gpukit's torch requirement in pyproject.toml, such as '>=2.11,<2.16'."""
+    found = re.search(r'"torch\s*([<>=!~][^";]*)"', (ROOT / "pyproject.toml").read_text())
+    return found.group(1).replace(" ", "") if found else ""
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Whether a version meets a specifier of comparisons on release numbers ('>=2.11,<2.16')."""
+    ops = {">=": tuple.__ge__, "<=": tuple.__le__, ">": tuple.__gt__, "<": tuple.__lt__,
+           "==": tuple.__eq__, "!=": tuple.__ne__}
+    have = _release(version)
+    for clause in filter(None, spec.split(",")):
+        op, bound = re.match(r"(>=|<=|==|!=|>|<)(.+)", clause).groups()
+        want = _release(bound)
+        if not ops[op](have[:len(want)] if op in ("==", "!=") else have, want):
+            return False
+    return True
+
+
+def link_torch(venv_python: Path, site_dir: Path, python: str = sys.executable) -> str | None:
+    """Make ``python``'s torch importable from the venv; returns its version, or None (nothing linked).
+
+    Links only a torch within gpukit's range that the venv really imports afterwards (same version), so
+    that the pinned torch is left out only when another one is there to use."""
+    pth = site_dir / LINK_PTH
+    if pth.exists():
+        pth.unlink()
+    found = outer_torch(python)
+    if found is None:
+        return None
+    version, dirs = found
+    spec = torch_range()
+    if not in_range(version, spec):
+        print(f"kit.py: {python}'s torch {version} is outside gpukit's range torch{spec}; "
+              "installing the pinned torch into .venv instead", flush=True)
+        return None
+    pth.write_text("\n".join(dirs) + "\n")
+    seen = subprocess.run([str(venv_python), "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True)
+    if seen.returncode != 0 or seen.stdout.strip() != version:
+        pth.unlink()
+        print(f"kit.py: {python}'s torch {version} cannot be imported from .venv "
+              f"({(seen.stderr.strip().splitlines() or [seen.stdout.strip()])[-1]}); "
+              "installing the pinned torch instead", flush=True)
+        return None
+    return version
 
 
 def _venv_site_packages() -> Path:
@@ -61,8 +129,17 @@ def _fingerprint(extra: str) -> str:
     return h.hexdigest()
 
 
+def constraints(linked: str | None) -> str:
+    """The lock for .venv: constraints.txt, with its torch line replaced by the linked torch's version."""
+    lines = LOCK.read_text().splitlines()
+    if linked:
+        lines = [line for line in lines if not re.match(r"\s*torch\s*[=<>!~;]", line)]
+        lines.append(f"torch=={linked}   # the linked torch, kept")
+    return "\n".join(lines) + "\n"
+
+
 def setup() -> None:
-    """Create .venv if needed and install gpukit with its pinned dependencies."""
+    """Create .venv if needed and install gpukit with the locked versions of its dependencies."""
     if Path(sys.prefix).resolve() == VENV.resolve() and STAMP.exists():
         return  # run by .venv's own python: already set up, and it cannot see an outer torch
     if not VENV_PY.exists():
@@ -72,30 +149,23 @@ def setup() -> None:
             sys.exit("kit.py: `python3 -m venv` failed. On Debian/Ubuntu install the "
                      "venv module first: apt-get install python3-venv")
 
-    # Link a torch this interpreter already has (same Python version only).
-    outer = _outer_torch_paths()
-    site_dir = _venv_site_packages()
-    pth = site_dir / LINK_PTH
-    linked = bool(outer) and f"python{sys.version_info.major}.{sys.version_info.minor}" in str(site_dir)
-    if linked:
-        pth.write_text("\n".join(outer) + "\n")
-    elif pth.exists():
-        pth.unlink()
-
-    key = _fingerprint(f"linked={outer if linked else None}")
+    linked = link_torch(VENV_PY, _venv_site_packages())
+    key = _fingerprint(f"linked={linked}")
     if STAMP.exists() and STAMP.read_text() == key:
         return
 
-    pip = [VENV_PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    reqs = (ROOT / "requirements.txt").read_text().splitlines()
-    if linked:
-        # Keep the torch that is there; install everything else.
-        reqs = [r for r in reqs if not r.strip().startswith("torch")]
-    kept = VENV / ".requirements-resolved.txt"
-    kept.write_text("\n".join(reqs) + "\n")
-    _run(pip + ["-r", kept, "-r", ROOT / "requirements-test.txt"])
-    _run(pip + ["--no-deps", "-e", ROOT])
+    kept = VENV / ".constraints-resolved.txt"
+    kept.write_text(constraints(linked))
+    _run([VENV_PY, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+          "-c", kept, "-e", f"{ROOT}[test]"])
     STAMP.write_text(key)
+
+
+def test_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the test run: no pytest plugin autoloading (pyproject's addopts load nbval by
+    name), so that plugins of a linked environment cannot clash with the pinned pytest."""
+    return dict(os.environ if base is None else base, PYTHONUNBUFFERED="1", MPLBACKEND="Agg",
+                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 
 
 def lab(args: list[str]) -> None:
@@ -106,8 +176,7 @@ def lab(args: list[str]) -> None:
 
 
 def test(args: list[str]) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
-    return subprocess.run([str(VENV_PY), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
+    return subprocess.run([str(VENV_PY), "-m", "pytest", *args], cwd=ROOT, env=test_environment()).returncode
 
 
 def bench(args: list[str]) -> int:

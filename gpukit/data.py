@@ -1,31 +1,40 @@
-"""Loaders for the small data sets in data/ (see data/README.md for provenance)."""
+"""Loaders for the small data sets that ship inside the package, in gpukit/datasets/ (provenance in
+data/README.md). They are package data, so an installed gpukit finds them wherever it runs."""
 
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+import io
+from importlib.resources import files
 
 import numpy as np
 import torch
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATASETS = files("gpukit") / "datasets"
 DIGITS_SHA256 = "b2dab7b501728c22e9119ad76740b2e17c77a231e42d1e592380d90886f1a05e"
 
 
-def _checked(path: Path, sha256: str) -> Path:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+def _checked(resource, sha256: str) -> io.BytesIO:
+    """The bytes of a shipped data file, after checking them against their recorded SHA-256."""
+    try:
+        data = resource.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{resource} is missing: gpukit was installed without its data files; "
+                                "reinstall it (pip install of the repository includes gpukit/datasets/)") from None
+    digest = hashlib.sha256(data).hexdigest()
     if digest != sha256:
-        raise ValueError(f"{path} is damaged or replaced: SHA-256 {digest}, expected {sha256}")
-    return path
+        raise ValueError(f"{resource} is damaged or replaced: SHA-256 {digest}, expected {sha256}")
+    return io.BytesIO(data)
 
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """The 1797 8x8 handwritten digits: images (N, 1, 8, 8) float32 in [0, 1], labels (N,) int64.
 
     Raises:
-        ValueError: if data/digits.npz does not match its recorded checksum.
+        FileNotFoundError: if gpukit/datasets/digits.npz is not installed.
+        ValueError: if it does not match its recorded checksum.
     """
-    with np.load(_checked(DATA_DIR / "digits.npz", DIGITS_SHA256)) as f:
+    with np.load(_checked(DATASETS / "digits.npz", DIGITS_SHA256)) as f:
         images = torch.from_numpy(f["images"].astype(np.float32) / 16.0).unsqueeze(1)
         labels = torch.from_numpy(f["labels"].astype(np.int64))
     return images, labels
@@ -33,7 +42,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_digit_tokens() -> torch.Tensor:
     """The digits as token sequences for a language model: (1797, 64) int64, pixel values 0..16 row by row."""
-    with np.load(_checked(DATA_DIR / "digits.npz", DIGITS_SHA256)) as f:
+    with np.load(_checked(DATASETS / "digits.npz", DIGITS_SHA256)) as f:
         return torch.from_numpy(f["images"].reshape(len(f["images"]), 64).astype(np.int64))
 
 

@@ -1,6 +1,7 @@
 """The benchmarks' machinery: the technique matrix, recorded runs in data/runs/, and the README's results section."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,7 @@ import torch  # noqa: E402
 from gpukit import plots  # noqa: E402
 from gpukit.data import digits_batch  # noqa: E402
 from gpukit.models import MLP  # noqa: E402
-from gpukit.runs import MACHINE_COLUMNS, load_runs, machine, read_run, slug, write_run  # noqa: E402
+from gpukit.runs import MACHINE_COLUMNS, RUNS_DIR, load_runs, machine, read_run, slug, write_run  # noqa: E402
 from gpukit.techniques import (BASELINE, TECHNIQUES, Setup, Technique, measure_technique,  # noqa: E402
                                run_matrix)
 
@@ -134,8 +135,20 @@ def test_no_recorded_runs_is_an_empty_table(tmp_path):
     assert runs.empty and "device_name" in runs.columns
 
 
-def test_every_committed_run_names_its_machine():
-    load_runs()  # raises on a file in data/runs/ that does not
+def test_every_committed_run_names_its_machine(tmp_path, matrix):
+    # The committed files beside a made-up GPU run, so that the check is tested while data/runs/ is empty too.
+    committed = sorted(RUNS_DIR.glob("*.csv"))
+    for path in committed:
+        shutil.copy(path, tmp_path)
+    info = {**machine("cpu"), "device_type": "cuda", "device_name": "Made-up GPU 80GB", "driver": "999.1"}
+    made_up = write_run(list(matrix.values()), info, folder=tmp_path)
+    runs = load_runs(tmp_path)  # raises on a file that does not name its machine
+    assert sorted(runs["file"].unique()) == sorted([p.name for p in committed] + [made_up.name])
+    assert not (runs["device_type"] == "cpu").any(), "a CPU run is no GPU run: keep it out of data/runs/"
+    # ...and the same check refuses a file without its GPU's name, among the others
+    pd.read_csv(made_up).drop(columns=["device_name"]).to_csv(tmp_path / "unnamed.csv", index=False)
+    with pytest.raises(ValueError, match="device_name"):
+        load_runs(tmp_path)
 
 
 # -- plots and the README ------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""environment.yml parses, every spec in it is valid, and its pins agree with pyproject's (offline)."""
+"""environment.yml parses and pins what constraints.txt pins; pyproject.toml declares ranges that hold the pins
+(offline)."""
 
 import re
 from pathlib import Path
@@ -7,6 +8,8 @@ import pytest
 import yaml
 from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,19 +75,50 @@ def test_every_spec_is_a_valid_conda_match_spec_or_pip_requirement():
             pytest.fail(f"not a pip requirement: {spec!r} ({err})")
 
 
-def test_pins_agree_with_pyproject():
+def lock():
+    return requirement_file("constraints.txt")
+
+
+def declared():
+    """pyproject's dependencies and its test extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [Requirement(s) for s in project["dependencies"] + project["optional-dependencies"]["test"]]
+
+
+def test_environment_yml_pins_what_the_lock_pins():
     conda, pip = env_specs()
     python = next(s.split("=", 1)[1] for s in conda if s.startswith("python="))
     ours = pinned([Requirement(s) for s in pip if s.strip() != "-e ."], python)
-    expected = pinned(requirement_file("requirements.txt") + requirement_file("requirements-test.txt"), python)
-    assert ours == expected
-    assert all(spec.startswith("==") for spec in expected.values()), "every dependency is pinned exactly"
+    assert ours == pinned(lock(), python)
 
 
-def test_pyproject_reads_the_requirement_files():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    dynamic = project["tool"]["setuptools"]["dynamic"]
-    assert dynamic["dependencies"]["file"] == ["requirements.txt"]
-    assert dynamic["optional-dependencies"]["test"]["file"] == ["requirements-test.txt"]
-    assert "torch==2.13.0" in (ROOT / "requirements.txt").read_text().split()
+@pytest.mark.parametrize("python", ["3.10", "3.11", "3.12"])
+def test_the_lock_pins_every_dependency_exactly_within_pyprojects_ranges(python):
+    pins = pinned(lock(), python)
+    ranges = pinned(declared(), python)
+    assert set(pins) == set(ranges), "constraints.txt and pyproject.toml name different packages"
+    assert all(spec.startswith("==") for spec in pins.values()), "every line of the lock is an exact pin"
+    for name, spec in pins.items():
+        assert SpecifierSet(ranges[name]).contains(spec[2:]), f"{name}{spec} is outside pyproject's {ranges[name]}"
+
+
+def test_pyproject_declares_ranges_not_pins():
+    exact = [str(r) for r in declared() if any(s.operator in ("==", "===") for s in r.specifier)]
+    assert not exact, f"a library must not pin (installing it would replace what an environment has): {exact}"
+
+
+def test_the_torch_range_is_the_one_the_readme_says_was_tested():
+    torch = next(r for r in declared() if r.name == "torch")
+    readme = (ROOT / "README.md").read_text()
+    # rows such as "| torch 2.11.0 | 2.11.0+cu130 from PyPI ... | 190 passed, 2 skipped |", with no failure
+    tested = [v for v, row in re.findall(r"^\| torch (\d+\.\d+\.\d+) \|(.*)$", readme, re.M)
+              if re.search(r"\d+ passed", row) and not re.search(r"\d+ (failed|error)", row)]
+    assert len(tested) >= 2, "the README's table of tested torch versions is missing"
+    oldest = min(tested, key=Version)
+    assert all(torch.specifier.contains(v) for v in tested)
+    # the range runs from the oldest tested release series to the newest: none before or after is allowed
+    major, minor, _ = Version(oldest).release
+    assert not torch.specifier.contains(f"{major}.{minor - 1}.0")
+    major, minor, _ = max((Version(v) for v in tested)).release
+    assert not torch.specifier.contains(f"{major}.{minor + 1}.0")
