@@ -1663,6 +1663,10 @@ def cpu_device() -> SimulatedDevice | None:
         from .counter import LEDGER
 
         _CPU_DEVICE = SimulatedDevice().attach(LEDGER)
+    else:
+        from .counter import LEDGER
+
+        LEDGER.settle()  # frees of storages that died since the counter last counted: read an up-to-date device
     return _CPU_DEVICE
 
 

@@ -719,3 +719,20 @@ def test_a_cpu_run_bigger_than_the_simulated_gpu_is_not_failed():
         del x
     finally:
         reset_cpu_device()
+
+
+def test_the_cpu_simulated_device_read_outside_a_block_has_counted_every_free():
+    """Device: cpu, with the simulated GPU behind it. The counter counts a free when it next does its books;
+    reading the simulated device must not show a storage that died since."""
+    import gpukit
+    from gpukit.allocator import cpu_device, reset_cpu_device
+
+    reset_cpu_device("16 GiB")
+    try:
+        with gpukit.measure("cpu", record=False):
+            x = torch.empty(16 * MB, dtype=torch.uint8, device="cpu")
+        allocated = cpu_device().allocator.memory_allocated()
+        del x  # outside any block
+        assert cpu_device().allocator.memory_allocated() == allocated - 16 * MB
+    finally:
+        reset_cpu_device()
