@@ -448,7 +448,10 @@ class Ledger:
             else:
                 return
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # no cycle: the traceback holds this frame, which would hold the error
 
     def _over_budget(self, nbytes: int) -> torch.OutOfMemoryError | None:
         if not self.limits:
@@ -476,7 +479,10 @@ class Ledger:
             self.settle()
             error = self._over_budget(nbytes)
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    error = None  # no cycle: the traceback holds this frame, which would hold the error
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
@@ -648,7 +654,10 @@ class Ledger:
                     ledger.settle()
                     error = ledger._over_budget(size)
                     if error is not None:
-                        raise error
+                        try:
+                            raise error
+                        finally:
+                            error = None  # no cycle: the traceback holds this frame, which would hold the error
             result = original(storage, size)
             if ours:
                 ledger.see_storage(storage)

@@ -188,3 +188,27 @@ def test_a_request_past_the_budget_raises_out_of_memory_before_the_memory_is_tak
         with gpukit.budget(live + 1_000_000, device="cpu"):
             make(base)
     assert LEDGER.live_rounded == live
+
+
+def test_a_refused_step_frees_its_tensors_when_the_error_is_dropped_without_a_garbage_collection():
+    """Device: cpu. The OOM's traceback holds the failed step's frames; gpukit's own frames must not hold the
+    error back (a reference cycle), or the step's tensors stay until the garbage collector runs."""
+    import gc
+
+    from gpukit.counter import LEDGER
+
+    def step():
+        kept = torch.ones(256 * 1024)  # 1 MiB, alive in this frame when the next allocation is refused
+        return kept + torch.ones(64 * 1024 * 1024)
+
+    gc.disable()
+    try:
+        with gpukit.measure("cpu", record=False) as r:
+            try:
+                with gpukit.budget(LEDGER.live_rounded + 8 * 2**20, "cpu"):
+                    step()
+            except torch.OutOfMemoryError:
+                pass
+        assert r.delta == 0
+    finally:
+        gc.enable()
