@@ -45,6 +45,7 @@ def test_overlapping_blocks_on_two_threads_each_see_the_process():
             step.wait()                      # 3: the other thread made and freed 2 MB, kept 3 MB
         step.wait()                          # 4: this block ended first, the other is still open
         step.wait()                          # 5
+        step.wait()                          # 6: the other block has ended too
         del a
 
     def second():
@@ -58,6 +59,7 @@ def test_overlapping_blocks_on_two_threads_each_see_the_process():
             step.wait()                      # 4
             b = torch.empty(MB)              # after the first block ended: only this block sees it
             step.wait()                      # 5
+        step.wait()                          # 6: only now may the first thread free its tensor
         del kept, b
 
     in_threads(first, second)
