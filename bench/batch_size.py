@@ -16,8 +16,8 @@ from results import write_csv
 import gpukit
 import gpukit.meter
 from gpukit.batchsize import Trainer, double_then_bisect, predict_then_confirm, shrink_on_failure
-from gpukit.data import digit_tokens_batch, digits_batch
-from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT
+from gpukit.lessons.data import digit_tokens_batch, digits_batch
+from gpukit.lessons.models import MLP, ConvNet, GPTConfig, TinyGPT
 
 MARGIN = 0.05
 # name: (make_model, make_optimizer, make_batch, budget). A CPU budget caps the live tensor bytes of the whole

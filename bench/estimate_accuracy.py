@@ -1,6 +1,6 @@
 """How exact the predictions are, and how long they take.
 
-For each reference setup (gpukit.models.reference_cases): the exact prediction under fake
+For each reference setup (gpukit.lessons.models.reference_cases): the exact prediction under fake
 tensors, the real step measured on CPU, the rule of thumb, their errors, and the seconds
 the prediction took. Then the time to predict models too big for this machine (wall and CPU
 seconds, with the load average: the machine may be shared). On a GPU, predict(device="cuda")
@@ -19,7 +19,7 @@ import torch
 from results import write_csv
 
 from gpukit.estimate import measured_step_peak, predict, rule_of_thumb
-from gpukit.models import GPTConfig, TinyGPT, reference_cases, vgg16
+from gpukit.lessons.models import GPTConfig, TinyGPT, reference_cases, vgg16
 
 BATCH = 128
 LARGE = {  # name: (make_model, make_optimizer, make_batch)

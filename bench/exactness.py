@@ -1,6 +1,6 @@
 """How exact the meter is: its peak against an independent measurement of the same training step.
 
-For each reference setup (gpukit.models.reference_cases), in the steady state (gradients and
+For each reference setup (gpukit.lessons.models.reference_cases), in the steady state (gradients and
 optimizer state exist): the CPU counter's peak (unrounded: as requested) against PyTorch's own
 MemTracker measuring the same step; and, on a machine with CUDA, gpukit.measure('cuda')'s peak of
 requested bytes (from the allocator's statistics) against the same peak replayed from the allocator's own
@@ -20,7 +20,7 @@ from results import write_csv
 
 import gpukit
 from gpukit.estimate import default_step
-from gpukit.models import reference_cases
+from gpukit.lessons.models import reference_cases
 from gpukit.roles import memtracker_peak
 
 BATCH = 128

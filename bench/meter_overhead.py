@@ -22,10 +22,10 @@ from results import write_csv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpukit
-from gpukit.data import digit_tokens_batch, digits_batch
+from gpukit.lessons.data import digit_tokens_batch, digits_batch
 from gpukit.estimate import default_step
 from gpukit.meter import default_device
-from gpukit.models import MLP, ConvNet, GPTConfig, TinyGPT
+from gpukit.lessons.models import MLP, ConvNet, GPTConfig, TinyGPT
 
 CASES = [  # (name, model factory, batch factory, batch size)
     ("mlp-256x2", lambda: MLP(width=256, depth=2), digits_batch, 256),

@@ -100,7 +100,7 @@ def plot(matrices: dict[str, list[dict]], path: Path = PLOT) -> Path:
 
 
 def section() -> str:
-    from gpukit.runs import load_runs
+    from gpukit.lessons.runs import load_runs
 
     techniques = read_rows("techniques.csv")
     here = techniques[0]
@@ -120,7 +120,7 @@ def section() -> str:
              *overhead_table(read_rows("meter_overhead.csv")), "",
              f"**Technique matrix on this {where}**: peak of a steady-state training step with the model's state "
              "included (parameters, gradients, AdamW state, batch), median step time, samples per second; "
-             "the techniques are plain PyTorch in `gpukit/techniques.py`. Times are this machine's, on the "
+             "the techniques are plain PyTorch in `gpukit/lessons/techniques.py`. Times are this machine's, on the "
              "threads the summary names: a processor without float16 arithmetic emulates it, which makes AMP "
              "fp16 and `half()` slow on a CPU where a GPU runs them fastest.", "",
              *matrix_table(techniques), ""]

@@ -10,8 +10,8 @@ OUT = Path(__file__).resolve().parent / "out"
 
 @functools.cache
 def machine() -> dict:
-    """The machine's columns (gpukit.runs.MACHINE_COLUMNS: device, driver, CPU, cores, torch, date)."""
-    from gpukit.runs import machine as describe
+    """The machine's columns (gpukit.lessons.runs.MACHINE_COLUMNS: device, driver, CPU, cores, torch, date)."""
+    from gpukit.lessons.runs import machine as describe
 
     return describe()
 
@@ -19,6 +19,6 @@ def machine() -> dict:
 def write_csv(name: str, rows: list[dict]) -> Path:
     """Write ``rows`` (dicts with the same keys) to bench/out/``name``, each with the machine's columns
     (a row's own value wins where it has the same key); returns the path."""
-    from gpukit.runs import write_rows
+    from gpukit.lessons.runs import write_rows
 
     return write_rows(OUT / name, rows, machine())

@@ -36,6 +36,7 @@ from .cudarules import TORCH_RULES_VERSION, CudaRules, cublaslt_workspace_bytes,
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes
 from .roles import RoleTracker
+from .step import train_step
 
 GPU_SIZES_GB = (16, 24, 40, 48, 80, 141)
 # Memory a process needs on a GPU beyond what PyTorch allocates: the CUDA context (kernels
@@ -45,14 +46,7 @@ GPU_SIZES_GB = (16, 24, 40, 48, 80, 141)
 CONTEXT_ALLOWANCE = 2**30
 
 
-def default_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    """One ordinary training step: zero_grad, forward, cross-entropy loss, backward, step."""
-    x, y = batch
-    optimizer.zero_grad(set_to_none=True)
-    out = model(x)
-    loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    loss.backward()
-    optimizer.step()
+default_step = train_step  # the plain step of ``gpukit.step``: what ``predict()`` predicts unless told otherwise
 
 
 @dataclass

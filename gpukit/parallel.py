@@ -39,15 +39,15 @@ from torch import nn
 
 import gpukit
 from gpukit.counter import round_up
-from gpukit.data import digits_batch
+from gpukit.lessons.data import digits_batch
 from gpukit.distributed import RankContext, publish, publish_tensors, run_rank
-from gpukit.models import MLP
+from gpukit.lessons.models import MLP
 
 EXPERIMENTS = ("ddp", "ddp-bucket-view", "zero1", "fsdp", "fsdp-bf16", "fsdp-offload")
 
 
 def make_model(width: int = 512, depth: int = 4, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
-    """The lesson's model: ``gpukit.models.MLP`` on the 8x8 digits, the same weights for a given seed."""
+    """The lesson's model: ``gpukit.lessons.models.MLP`` on the 8x8 digits, the same weights for a given seed."""
     torch.manual_seed(seed)
     with torch.device(device):
         return MLP(width=width, depth=depth)

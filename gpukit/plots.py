@@ -95,8 +95,8 @@ def role_bars(reports=None, at: str = "end", ax=None):
 
 
 def technique_bars(matrix, value: str = "peak_bytes", ax=None, title: str | None = None):
-    """Grouped horizontal bars of a technique matrix (``gpukit.techniques.run_matrix``, or one machine's rows
-    of ``gpukit.runs.load_runs()``): one group per technique, one bar per model.
+    """Grouped horizontal bars of a technique matrix (``gpukit.lessons.techniques.run_matrix``, or one machine's rows
+    of ``gpukit.lessons.runs.load_runs()``): one group per technique, one bar per model.
 
     Args:
         matrix: a list of row dicts or a DataFrame with ``model``, ``technique`` and ``value`` columns.

@@ -127,38 +127,22 @@ class TechniqueExplorer(w.VBox):
         """Measure one steady-state step with the current settings (or these: amp=, checkpointing=,
         accumulation=, batch=), and show it beside the earlier runs."""
         import torch
-        import torch.nn.functional as F
-        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
         from .meter import measure
         from .plots import role_bars
+        from .step import Technique, train_step
 
         for name, value in settings.items():
             getattr(self, name).value = value
         torch.manual_seed(0)
         model = self.make_model().to(self.device)
         opt = self.make_optimizer(model.parameters())
-        x, y = (t.to(self.device) for t in self.make_batch(self.batch.value))
-        k, amp, ckpt = self.accumulation.value, self.amp.value, self.checkpointing.value
-        layers = list(model.children())
-        sequential = isinstance(model, torch.nn.Sequential) or (len(layers) == 1 and
-                                                                 isinstance(layers[0], torch.nn.Sequential))
-
-        def forward(xs):
-            if not ckpt:
-                return model(xs)
-            if sequential:
-                seq = model if isinstance(model, torch.nn.Sequential) else layers[0]
-                return checkpoint_sequential(seq, max(1, int(len(seq) ** 0.5)), xs, use_reentrant=False)
-            return checkpoint(model, xs, use_reentrant=False)
+        batch = tuple(t.to(self.device) for t in self.make_batch(self.batch.value))
+        technique = Technique(self.settings(), amp=torch.bfloat16 if self.amp.value else None,
+                              accumulate=self.accumulation.value, checkpointed=self.checkpointing.value)
 
         def step():
-            opt.zero_grad(set_to_none=True)
-            for xs, ys in zip(x.chunk(k), y.chunk(k)):
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
-                    loss = F.cross_entropy(forward(xs), ys) / k
-                loss.backward()
-            opt.step()
+            train_step(model, opt, batch, technique)
 
         step()  # warm-up: gradients and optimizer state exist
         with measure(self.device, label=self.settings(), model=model, optimizer=opt, record=False) as report:

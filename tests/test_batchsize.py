@@ -7,8 +7,8 @@ import torch
 
 import gpukit
 from gpukit.batchsize import Trainer, double_then_bisect, predict_then_confirm
-from gpukit.data import digits_batch
-from gpukit.models import MLP
+from gpukit.lessons.data import digits_batch
+from gpukit.lessons.models import MLP
 
 # Budgets are above what the process already holds on the CPU (a CPU budget counts every live tensor).
 # One setup proves the search (a few dozen predictions, three real steps); bench/batch_size.py runs it on

@@ -13,10 +13,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gpukit import plots  # noqa: E402
-from gpukit.data import digits_batch  # noqa: E402
-from gpukit.models import MLP  # noqa: E402
-from gpukit.runs import MACHINE_COLUMNS, RUNS_DIR, load_runs, machine, read_run, slug, write_run  # noqa: E402
-from gpukit.techniques import (BASELINE, TECHNIQUES, Setup, Technique, measure_technique,  # noqa: E402
+from gpukit.lessons.data import digits_batch  # noqa: E402
+from gpukit.lessons.models import MLP  # noqa: E402
+from gpukit.lessons.runs import MACHINE_COLUMNS, RUNS_DIR, load_runs, machine, read_run, slug, write_run  # noqa: E402
+from gpukit.lessons.techniques import (BASELINE, TECHNIQUES, Setup, Technique, measure_technique,  # noqa: E402
                                run_matrix)
 
 ROOT = Path(__file__).resolve().parent.parent

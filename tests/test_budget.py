@@ -8,7 +8,7 @@ import torch
 import gpukit
 from gpukit.counter import LEDGER, round_up
 from gpukit.estimate import default_step
-from gpukit.models import MLP
+from gpukit.lessons.models import MLP
 
 
 @pytest.fixture

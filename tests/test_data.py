@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from gpukit import data
+from gpukit.lessons import data
 
 
 def test_the_digits_are_read_from_the_package_and_match_their_checksum():

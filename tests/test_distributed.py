@@ -160,7 +160,7 @@ def test_even_shares_are_torch_chunk_sizes():
 
 
 def test_dataparallel_device_0_holds_more_and_balancing_evens_it_out():
-    from gpukit.data import digits_batch
+    from gpukit.lessons.data import digits_batch
 
     x, y = digits_batch(256)
     make = lambda: make_model(width=128, depth=2)  # noqa: E731

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import gpukit
-from gpukit.data import load_digits
+from gpukit.lessons.data import load_digits
 from gpukit.estimate import (Prediction, default_step, layer_table, measured_step_peak, optimizer_copies, predict,
                              rule_of_thumb, state_tensors)
-from gpukit.models import MLP, GPTConfig, TinyGPT, parameter_bytes, reference_cases, vgg16
+from gpukit.lessons.models import MLP, GPTConfig, TinyGPT, parameter_bytes, reference_cases, vgg16
 from gpukit.roles import memtracker_peak
 
 B = 128

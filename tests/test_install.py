@@ -80,8 +80,8 @@ def test_pip_install_from_a_git_url_keeps_the_torch_and_ships_the_data(tmp_path)
     # A script outside the repository: the installed gpukit, with its data, and the torch pip kept.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    script = ("import importlib.metadata, pathlib, gpukit, gpukit.data\n"
-              "images, labels = gpukit.data.load_digits()\n"
+    script = ("import importlib.metadata, pathlib, gpukit, gpukit.lessons.data\n"
+              "images, labels = gpukit.lessons.data.load_digits()\n"
               "print(importlib.metadata.version('torch'))\n"
               "print(pathlib.Path(gpukit.__file__).resolve())\n"
               "print(tuple(images.shape), tuple(labels.shape))\n")

@@ -10,7 +10,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import gpukit  # noqa: E402
 from gpukit import plots  # noqa: E402
-from gpukit.models import MLP  # noqa: E402
+from gpukit.lessons.models import MLP  # noqa: E402
 from gpukit.widgets import MemoryGauge  # noqa: E402
 
 
@@ -103,10 +103,10 @@ def test_on_cuda_the_gauge_holds_reserved_bytes_against_the_budget_as_a_cuda_bud
 
 
 def test_the_explorer_measures_each_technique_and_shows_it():
-    from gpukit.data import digits_batch
+    from gpukit.lessons.data import digits_batch
     from gpukit.widgets import TechniqueExplorer
 
-    explorer = TechniqueExplorer(lambda: MLP(width=256, depth=3), digits_batch, device="cpu", batch_sizes=(256, 1024))
+    explorer = TechniqueExplorer(lambda: MLP(width=256, depth=4), digits_batch, device="cpu", batch_sizes=(256, 1024))
     base = explorer.run(batch=1024)
     accumulated = explorer.run(accumulation=4)
     checkpointed = explorer.run(accumulation=1, checkpointing=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gpukit
-from gpukit.models import MLP, parameter_bytes
+from gpukit.lessons.models import MLP, parameter_bytes
 
 
 def test_tiny_mlp_adam_step_gives_params_p_grads_p_adam_state_2p():

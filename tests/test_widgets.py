@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gpukit.data import digits_batch
-from gpukit.models import MLP
+from gpukit.lessons.data import digits_batch
+from gpukit.lessons.models import MLP
 from gpukit.widgets import TechniqueExplorer
 
 

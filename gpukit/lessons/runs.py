@@ -1,6 +1,6 @@
 """Recorded runs: which machine a measurement came from, and the technique matrices kept in data/runs/.
 
-    from gpukit.runs import machine, load_runs
+    from gpukit.lessons.runs import machine, load_runs
     machine()          # {'device_type': 'cpu', 'device_name': 'AMD EPYC', 'torch': '2.13.0+cpu', ...}
     load_runs()        # every data/runs/*.csv, checked, as one pandas DataFrame
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-RUNS_DIR = Path(__file__).resolve().parent.parent / "data" / "runs"
+RUNS_DIR = Path(__file__).resolve().parent.parent.parent / "data" / "runs"
 MACHINE_COLUMNS = ("device_type", "device_name", "driver", "cpu", "cores", "threads", "torch", "cuda", "date")
 REQUIRED = ("device_type", "device_name", "torch", "date")
 
@@ -65,7 +65,7 @@ def machine(device: str | torch.device | None = None) -> dict[str, str | int]:
         intra-op threads), ``torch``, ``cuda`` (the CUDA version torch was built with, '' for a
         CPU build) and ``date`` (UTC, ISO 8601).
     """
-    from .meter import resolve_device
+    from ..meter import resolve_device
 
     dev = resolve_device(device)
     is_cuda = dev.type == "cuda"

@@ -1,4 +1,4 @@
-"""Loaders for the small data sets that ship inside the package, in gpukit/datasets/ (provenance in
+"""Loaders for the small data sets that ship inside the package, in gpukit/lessons/datasets/ (provenance in
 data/README.md). They are package data, so an installed gpukit finds them wherever it runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from importlib.resources import files
 import numpy as np
 import torch
 
-DATASETS = files("gpukit") / "datasets"
+DATASETS = files("gpukit.lessons") / "datasets"
 DIGITS_SHA256 = "b2dab7b501728c22e9119ad76740b2e17c77a231e42d1e592380d90886f1a05e"
 
 
@@ -20,7 +20,7 @@ def _checked(resource, sha256: str) -> io.BytesIO:
         data = resource.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"{resource} is missing: gpukit was installed without its data files; "
-                                "reinstall it (pip install of the repository includes gpukit/datasets/)") from None
+                                "reinstall it (pip install of the repository includes gpukit/lessons/datasets/)") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != sha256:
         raise ValueError(f"{resource} is damaged or replaced: SHA-256 {digest}, expected {sha256}")
@@ -31,7 +31,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """The 1797 8x8 handwritten digits: images (N, 1, 8, 8) float32 in [0, 1], labels (N,) int64.
 
     Raises:
-        FileNotFoundError: if gpukit/datasets/digits.npz is not installed.
+        FileNotFoundError: if gpukit/lessons/datasets/digits.npz is not installed.
         ValueError: if it does not match its recorded checksum.
     """
     with np.load(_checked(DATASETS / "digits.npz", DIGITS_SHA256)) as f:

@@ -1,9 +1,9 @@
 """The technique matrix: a training step of each reference model, plain and with each memory technique.
 
-    from gpukit.techniques import run_matrix
+    from gpukit.lessons.techniques import run_matrix
     rows = run_matrix()      # on the GPU if there is one, else the CPU: one dict per (model, technique)
 
-Each technique is PyTorch's own mechanism, written out in ``train_step`` (notebooks 02-06
+Each technique is PyTorch's own mechanism, written out in ``gpukit.step.train_step`` (notebooks 02-06
 teach them one at a time): autocast to float16 with a GradScaler, autocast to bfloat16,
 gradient accumulation over k micro-batches, ``torch.utils.checkpoint``, ``model.half()``
 with BatchNorm put back to float32, and saved activations sent to the host with
@@ -21,37 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from ..meter import device_name, measure, resolve_device
+from ..step import BASELINE, Technique, half_with_float_batchnorm, train_step
+from ..warmup import warm_up
 from .data import digit_tokens_batch, digits_batch
-from .meter import device_name, measure, resolve_device
 from .models import MLP, ConvNet, GPTConfig, TinyGPT
-from .warmup import warm_up
 
 
-@dataclass(frozen=True)
-class Technique:
-    """What a training step does differently from the plain float32 one."""
-
-    name: str
-    amp: torch.dtype | None = None   # autocast to this type (float16 also scales the loss with a GradScaler)
-    accumulate: int = 1              # micro-batches per optimizer step
-    checkpointed: bool = False       # keep segment boundaries only; recompute the rest in backward
-    half: bool = False               # model.half(), BatchNorm back in float32
-    offload: bool = False            # tensors saved for backward go to the host (save_on_cpu)
-
-
-BASELINE = Technique("baseline")
 TECHNIQUES = [
     BASELINE,
     Technique("AMP fp16", amp=torch.float16),
@@ -100,52 +85,15 @@ def reference_setups(size: str = "cpu") -> list[Setup]:
             Setup(f"tinygpt {layers}x{embd}", lambda: TinyGPT(gpt), digit_tokens_batch, gpt_batch)]
 
 
-def forward(model: nn.Module, x: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
-    """The model's forward pass; ``checkpointed``: save only the inputs of segments, recompute the rest."""
-    if not checkpointed:
-        return model(x)
-    if isinstance(model, TinyGPT):  # one segment per transformer block, as language models do it
-        h = model.tok(x) + model.pos(torch.arange(x.shape[1], device=x.device))
-        for block in model.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
-        return model.head(model.ln_f(h))
-    layers = model.features if isinstance(model, ConvNet) else model.net
-    segments = max(1, round(math.sqrt(len(layers))))  # sqrt(n) segments of sqrt(n) layers
-    out = checkpoint_sequential(layers, segments, x, use_reentrant=False)
-    return model.head(out.flatten(1)) if isinstance(model, ConvNet) else out
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               x: torch.Tensor, y: torch.Tensor, technique: Technique = BASELINE) -> None:
-    """One optimizer step on the batch ``(x, y)``, with the technique's mechanisms."""
-    t = technique
-    optimizer.zero_grad(set_to_none=True)
-    for xs, ys in zip(x.chunk(t.accumulate), y.chunk(t.accumulate)):
-        amp = torch.autocast(xs.device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=xs.is_cuda) if t.offload
-                   else contextlib.nullcontext())
-        with amp, offload:
-            out = forward(model, xs, t.checkpointed)
-            loss = F.cross_entropy(out.float().flatten(0, -2), ys.flatten()) / t.accumulate
-        scaler.scale(loss).backward()  # a disabled scaler (all but float16) passes the loss through
-    scaler.step(optimizer)
-    scaler.update()
-
-
 def build(setup: Setup, technique: Technique, device: torch.device):
     """The model, AdamW, a GradScaler and the batch on ``device``, as the technique wants them."""
     torch.manual_seed(0)
     with device:  # made where it runs, not made on the CPU and moved
         model = setup.make_model()
     if technique.half:
-        model.half()
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                module.float()  # running statistics overflow float16 (notebook 05)
+        half_with_float_batchnorm(model)  # BatchNorm's running statistics overflow float16 (notebook 05)
     optimizer = torch.optim.AdamW(model.parameters())
     x, y = (t.to(device) for t in setup.make_batch(setup.batch))
-    if technique.half and x.is_floating_point():
-        x = x.half()
     scaler = torch.amp.GradScaler(device.type, enabled=technique.amp is torch.float16)
     return model, optimizer, scaler, x, y
 
@@ -202,12 +150,12 @@ def measure_technique(setup: Setup, technique: Technique, device: str | torch.de
         with FakeTensorMode(allow_non_fake_inputs=True) if simulated else contextlib.nullcontext():
             with measure(dev, record=False) as state:
                 model, optimizer, scaler, x, y = build(setup, technique, dev)
-                train_step(model, optimizer, scaler, x, y, technique)  # warm-up: gradients and optimizer state
+                train_step(model, optimizer, (x, y), technique, scaler)  # warm-up: gradients and optimizer state
             with measure(dev, record=False) as step:
-                train_step(model, optimizer, scaler, x, y, technique)
+                train_step(model, optimizer, (x, y), technique, scaler)
             if steps and not simulated:
                 seconds, row["timed_steps"] = median_step_seconds(
-                    lambda: train_step(model, optimizer, scaler, x, y, technique), dev, steps, max_seconds)
+                    lambda: train_step(model, optimizer, (x, y), technique, scaler), dev, steps, max_seconds)
                 row["step_ms"] = round(seconds * 1e3, 3)
                 row["samples_per_s"] = round(setup.batch / seconds, 1)
     except (RuntimeError, NotImplementedError) as err:
@@ -258,5 +206,5 @@ def format_row(row: dict) -> str:
     return f"{row['model']:<24}{row['technique']:<45}{mib} {ratio} {ms}{status}"
 
 
-__all__ = ["Technique", "TECHNIQUES", "BASELINE", "Setup", "SIZES", "reference_setups", "forward", "train_step",
+__all__ = ["Technique", "TECHNIQUES", "BASELINE", "Setup", "SIZES", "reference_setups", "train_step",
            "build", "measure_technique", "run_matrix", "median_step_seconds", "format_row"]

@@ -1,0 +1,75 @@
+"""The one training step: checkpointing chosen by the model's structure, and the techniques as options."""
+
+import pytest
+import torch
+from torch import nn
+
+import gpukit
+from gpukit.lessons.models import MLP, ConvNet, GPTConfig, TinyGPT
+from gpukit.step import BASELINE, Technique, checkpoint_plan, checkpointing, train_step
+
+
+def test_the_checkpoint_plan_follows_the_structure_not_the_class():
+    gpt = TinyGPT(GPTConfig(n_layer=3, n_head=2, n_embd=16))
+    assert (checkpoint_plan(gpt).kind, checkpoint_plan(gpt).segments) == ("blocks", 3)  # one per block
+    mlp = MLP(width=32, depth=8)
+    plan = checkpoint_plan(mlp)
+    assert plan.kind == "sequential" and plan.modules[0] is mlp.net
+    assert plan.segments == round(len(mlp.net) ** 0.5)  # sqrt(n) segments of sqrt(n) layers
+    conv = ConvNet(channels=4)
+    assert checkpoint_plan(conv).modules[0] is conv.features
+    assert checkpoint_plan(nn.Linear(4, 4)).kind == "whole"
+    bare = nn.Sequential(*[nn.Linear(8, 8) for _ in range(9)])  # the model itself is the Sequential
+    assert (checkpoint_plan(bare).modules[0], checkpoint_plan(bare).segments) == (bare, 3)
+
+
+def test_checkpointing_leaves_the_model_as_it_was_even_when_the_forward_fails():
+    mlp = MLP(width=16, depth=4)
+    with pytest.raises(RuntimeError):
+        with checkpointing(mlp):
+            mlp(torch.randn(2, 5, device="cpu"))  # wrong width
+    assert "forward" not in mlp.net.__dict__
+    assert "forward" not in vars(mlp.net)
+
+
+@pytest.mark.parametrize("technique", [BASELINE, Technique("ckpt", checkpointed=True),
+                                       Technique("accumulate", accumulate=4),
+                                       Technique("offload", offload=True)], ids=lambda t: t.name)
+def test_every_technique_gives_the_plain_steps_gradients(digits, technique):
+    """Checkpointing, accumulation and offloading change memory, not the gradients (to float32 rounding:
+    accumulation adds four partial sums in another order)."""
+    x, y = digits
+    grads = {}
+    for t in (BASELINE, technique):
+        torch.manual_seed(0)
+        model = MLP(width=64, depth=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step keeps the gradients to compare
+        train_step(model, opt, (x, y), t)
+        grads[t.name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    plain, other = grads["baseline"], grads[technique.name]
+    tolerance = 1e-5
+    assert torch.linalg.vector_norm(plain - other) <= tolerance * torch.linalg.vector_norm(plain)
+
+
+def test_checkpointing_lowers_the_measured_peak_of_a_deep_model(digits):
+    x, y = digits
+    peaks = {}
+    for t in (BASELINE, Technique("ckpt", checkpointed=True)):
+        torch.manual_seed(0)
+        model = MLP(width=128, depth=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_step(model, opt, (x, y), t)
+        with gpukit.measure("cpu", record=False) as r:
+            train_step(model, opt, (x, y), t)
+        peaks[t.name] = r.peak
+    assert peaks["ckpt"] < peaks["baseline"]
+
+
+def test_float16_without_a_scaler_and_bad_options_are_refused(digits):
+    with pytest.raises(ValueError, match="GradScaler"):
+        model = MLP(width=8, depth=1)
+        train_step(model, torch.optim.SGD(model.parameters()), digits, Technique("fp16", amp=torch.float16))
+    with pytest.raises(ValueError, match="accumulate"):
+        Technique("bad", accumulate=0)
+    with pytest.raises(ValueError, match="amp"):
+        Technique("bad", amp=torch.float64)
