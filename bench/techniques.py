@@ -5,7 +5,7 @@ float32 step, AMP fp16 (with GradScaler), AMP bf16, accumulation over 4 micro-ba
 checkpointing, model.half() with BatchNorm in float32, saved activations offloaded to the host,
 and combinations. Each row: peak bytes of a steady-state step (model state included), the
 median step time, samples per second, and the peak over the baseline's. The techniques
-themselves are plain PyTorch in gpukit/lessons/techniques.py (train_step).
+themselves are plain PyTorch in gpukit/step.py (train_step).
 Writes bench/out/techniques.csv; with --record also data/runs/<machine>.csv.
 
     python3 kit.py bench techniques [--record]
