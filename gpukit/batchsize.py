@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from ._torch import tree_map_only
 from .budget import budget
 from .estimate import _state_bytes, default_step, predict
 from .meter import measure, resolve_device

@@ -58,8 +58,9 @@ import threading
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ._torch import (FakeTensor, TorchDispatchMode, disabled_torch_dispatch_impl, is_traceable_wrapper_subclass,
+                     set_storage_resize, storage_resize)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -180,7 +181,7 @@ class _PerThread(threading.local):
 
 def _dispatches(cls: type) -> bool:
     """Whether a tensor subclass has a ``__torch_dispatch__`` of its own (``nn.Parameter`` and the like do not)."""
-    return getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
+    return getattr(cls, "__torch_dispatch__", None) is not disabled_torch_dispatch_impl
 
 
 class _CountingMode(TorchDispatchMode):
@@ -640,7 +641,7 @@ class Ledger:
                 del self._pushed[mode]
     def _patch_storage_resize(self) -> None:
         # UntypedStorage.resize_ does not pass through the dispatcher (FSDP uses it).
-        original = self._orig_storage_resize = torch.UntypedStorage.resize_
+        original = self._orig_storage_resize = storage_resize()
         ledger = self
 
         def resize_(storage, size):
@@ -665,11 +666,11 @@ class Ledger:
 
         INTERRUPTS.protect(resize_)
         resize_.__wrapped__ = original
-        torch.UntypedStorage.resize_ = resize_
+        set_storage_resize(resize_)
 
     def _unpatch_storage_resize(self) -> None:
         if self._orig_storage_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_storage_resize
+            set_storage_resize(self._orig_storage_resize)
             self._orig_storage_resize = None
 
     @property

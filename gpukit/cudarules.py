@@ -33,8 +33,8 @@ import os
 import re
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._torch import TorchDispatchMode, tree_flatten, tree_unflatten
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}

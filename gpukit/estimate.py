@@ -27,9 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
 from .allocator import follow
 from .counter import FAKE_LEDGER, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, cublaslt_workspace_bytes, use_cuda_optimizer_defaults

@@ -33,10 +33,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ._torch import DataDependentOutputException, FakeTensor, TorchDispatchMode, _disable_current_modes, tree_flatten, tree_unflatten
 
 CHECK_LIMIT = 16 * 2**20  # bytes of inputs and outputs up to which an op is run for real
 KNOWN_VALUES_LIMIT = 2**20  # elements: integer tensors whose real values are followed through the step

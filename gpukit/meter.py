@@ -18,8 +18,8 @@ import time
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch import TorchDispatchMode, in_backward
 from .allocator import cpu_device
 from .counter import FAKE_LEDGER, INTERRUPTS, LEDGER
 from .report import MemoryReport, record
@@ -96,7 +96,7 @@ class Phases:
     def __call__(self) -> str:
         if self.in_optimizer:
             return "optimizer"
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return "backward" if in_backward() else "forward"
 
 
 class _LedgerMeter:

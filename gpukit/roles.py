@@ -19,8 +19,8 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
-from torch.utils._pytree import tree_map_only
+
+from ._torch import _TOTAL_KEY, MemTracker, _MemRefType, _ModState, tree_map_only
 
 # MemTracker's names -> gpukit's names (report.ROLES)
 _NAMES = {

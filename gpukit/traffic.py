@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch import TorchDispatchMode
 from .report import format_bytes
 
 aten = torch.ops.aten

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._torch import FakeTensorMode
 from ..meter import device_name, measure, resolve_device
 from ..step import BASELINE, Technique, half_with_float_batchnorm, train_step
 from ..warmup import warm_up
