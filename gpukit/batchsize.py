@@ -26,7 +26,7 @@ import torch
 
 from ._torch import tree_map_only
 from .budget import budget
-from .estimate import _state_bytes, default_step, predict
+from .estimate import default_step, predict, state_bytes
 from .meter import measure, resolve_device
 from .report import parse_bytes
 
@@ -107,7 +107,7 @@ class Trainer:
         """Bytes live on the device that are not the training state (a dataset on the CPU, say)."""
         with measure(self.device, record=False) as r:
             pass
-        state, _ = _state_bytes(self.model, self.optimizer, ())
+        state, _ = state_bytes(self.model, self.optimizer, ())
         return r.live_end - state
 
 

@@ -50,6 +50,7 @@ op, memory of non-strided (sparse) tensors, and storages reachable only from C++
 from __future__ import annotations
 
 import collections
+import operator
 import gc
 import math
 import signal
@@ -66,18 +67,33 @@ ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMi
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
 
 
+def allocated_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``: rounded up to a
+    multiple of 512 (``kMinBlockSize``), exact whenever its block is split to size (always for requests up to
+    1 MiB; ``allocated_size_range`` for larger ones). ``gpukit.allocated_size(10) == 512``."""
+    try:
+        n = operator.index(nbytes)  # ints, numpy and torch integers; not floats or bools
+    except TypeError:
+        n = None
+    if n is None or isinstance(nbytes, bool) or n < 0:
+        raise ValueError(f"a request is a whole, non-negative number of bytes, not {nbytes!r}")
+    return round_up(n)
+
+
 def round_up(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator counts for a request of ``nbytes`` when its block is split to size
-    (always for requests up to 1 MiB; see ``cuda_allocated_range`` for larger ones)."""
+    """``allocated_size`` without its checks, for the counter's own hot path."""
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def cuda_allocated_range(nbytes: int) -> tuple[int, int]:
+def allocated_size_range(nbytes: int) -> tuple[int, int]:
     """The least and most bytes the CUDA caching allocator can count as allocated for one request of ``nbytes``,
-    whatever its cache holds: ``round_up(nbytes)`` exactly up to 1 MiB; above, up to 1 MiB more, since a large
+    whatever its cache holds: ``allocated_size(nbytes)`` exactly up to 1 MiB; above, up to 1 MiB more, since a large
     block is not split when 1 MiB or less would remain (``should_split`` in c10/cuda/CUDACachingAllocator.cpp)."""
-    rounded = round_up(nbytes)
+    rounded = allocated_size(nbytes)
     return (rounded, rounded) if nbytes <= SMALL_REQUEST else (rounded, rounded + SMALL_REQUEST)
+
+
+cuda_allocated_range = allocated_size_range
 
 
 class Tally:

@@ -33,7 +33,7 @@ from .allocator import follow
 from .counter import FAKE_LEDGER, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, cublaslt_workspace_bytes, use_cuda_optimizer_defaults
 from .fakecheck import FakeKernelCheck
-from .report import format_bytes
+from .report import format_bytes, html_table
 from .roles import RoleTracker
 from .step import train_step
 
@@ -129,9 +129,7 @@ class Prediction:
                          [f"  {k:<28} {v}" for k, v in self._rows()])
 
     def _repr_html_(self) -> str:
-        cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
-                        for k, v in self._rows())
-        return f"<b>predicted training step (fake tensors, nothing allocated)</b><table>{cells}</table>"
+        return f"<b>predicted training step (fake tensors, nothing allocated)</b>{html_table(self._rows())}"
 
 
 def predict(make_model: Callable[[], nn.Module],
@@ -187,7 +185,7 @@ def predict(make_model: Callable[[], nn.Module],
         roles = RoleTracker(model_device, model, optimizer)
         if any(p.grad is not None and p.grad.layout is not torch.strided for p in model.parameters()):
             roles = _NoRoles()  # MemTracker reads storages, which sparse gradients do not have
-        before, before_unrounded = _state_bytes(model, optimizer, batch)
+        before, before_unrounded = state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
             watch = simulated.watch()
@@ -240,8 +238,10 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     return tensors
 
 
-def _state_bytes(model, optimizer, batch) -> tuple[int, int]:
-    """(rounded, unrounded) bytes of the distinct storages in ``state_tensors``."""
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any = ()) -> tuple[int, int]:
+    """Bytes of the training state: the distinct storages of ``state_tensors`` (parameters, buffers,
+    gradients, optimizer state, and the batch), as ``(allocated, requested)``: rounded as the CUDA
+    allocator rounds each block (``allocated_size``), and as asked for."""
     storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch)
                                                if t.layout is torch.strided)}  # the counter's rule
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
@@ -268,7 +268,7 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
         step(model, optimizer, batch)
     with _quiet_gc(), measure(dev, record=False) as report:
         step(model, optimizer, batch)
-    return _state_bytes(model, optimizer, batch)[0] + report.peak
+    return state_bytes(model, optimizer, batch)[0] + report.peak
 
 
 class _NoRoles:
@@ -403,4 +403,4 @@ def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[],
 
 
 __all__ = ["predict", "measured_step_peak", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table",
-           "default_step", "state_tensors", "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]
+           "default_step", "state_tensors", "state_bytes", "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]

@@ -26,8 +26,25 @@ from IPython.display import display
 from .budget import budget
 from .meter import measure
 
-# Options that take a value; the line magic needs to know them to find where the statement begins.
-_VALUE_OPTIONS = {"-l", "--label", "-r", "--roles", "-d", "--device", "-b", "--budget"}
+# The magic's options, declared once: they build its argparse parser (and %gpumem?), and tell the line
+# magic which options take a value, to find where the statement begins.
+OPTIONS = (
+    (("-l", "--label"), {"help": "name of this run in gpukit.history() (default: its first line)"}),
+    (("-r", "--roles"), {"metavar": "MODEL[,OPTIMIZER]",
+                         "help": "break memory down by role, for the model (and optimizer) variables named"}),
+    (("-d", "--device"), {"help": "cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)"}),
+    (("-b", "--budget"), {"metavar": "SIZE",
+                          "help": "run as if the device had only SIZE (4GB, 512MiB...): beyond it, OutOfMemoryError"}),
+    (("-q", "--quiet"), {"action": "store_true", "help": "record the run, display nothing"}),
+)
+_VALUE_OPTIONS = {flag for flags, spec in OPTIONS if "action" not in spec for flag in flags}
+
+
+def _with_options(function):
+    """IPython's ``magic_arguments`` decorators, one per entry of ``OPTIONS``, in their order."""
+    for flags, spec in reversed(OPTIONS):  # decorators apply from the bottom up
+        function = magic_arguments.argument(*flags, **spec)(function)
+    return magic_arguments.magic_arguments()(function)
 
 
 def _take_token(text: str) -> tuple[str, str]:
@@ -81,15 +98,7 @@ def _default_label(code: str) -> str:
 class GpuMemMagics(Magics):
     """Registers ``%gpumem`` / ``%%gpumem``."""
 
-    @magic_arguments.magic_arguments()
-    @magic_arguments.argument("-l", "--label",
-                              help="name of this run in gpukit.history() (default: its first line)")
-    @magic_arguments.argument("-r", "--roles", metavar="MODEL[,OPTIMIZER]",
-                              help="break memory down by role, for the model (and optimizer) variables named")
-    @magic_arguments.argument("-d", "--device", help="cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)")
-    @magic_arguments.argument("-b", "--budget", metavar="SIZE",
-                              help="run as if the device had only SIZE (4GB, 512MiB...): beyond it, OutOfMemoryError")
-    @magic_arguments.argument("-q", "--quiet", action="store_true", help="record the run, display nothing")
+    @_with_options
     @needs_local_scope
     @line_cell_magic
     def gpumem(self, line: str, cell: str | None = None, local_ns: dict | None = None):

@@ -142,18 +142,28 @@ class MemoryReport:
 
     def _repr_html_(self) -> str:
         esc = html.escape
-        cells = "".join(f"<tr><th style='text-align:left'>{esc(k)}</th><td style='text-align:left'>{esc(v)}</td></tr>"
-                        for k, v in self._rows())
-        out = [f"<div class='gpukit-report'><b>{esc(self._title())}</b>", f"<table>{cells}</table>"]
+        out = [f"<div class='gpukit-report'><b>{esc(self._title())}</b>", html_table(self._rows())]
         role_rows = self._role_rows()
         if role_rows:
-            body = "".join(f"<tr><td style='text-align:left'>{esc(r)}</td><td>{esc(p)}</td><td>{esc(e)}</td></tr>"
-                           for r, p, e in role_rows)
-            out.append("<table><tr><th style='text-align:left'>by role (absolute)</th><th>at peak</th>"
-                       f"<th>at end</th></tr>{body}</table>")
+            out.append(html_table(role_rows, columns=("by role (absolute)", "at peak", "at end")))
         out += [f"<p><i>note: {esc(n)}</i></p>" for n in self.notes]
         out.append("</div>")
         return "".join(out)
+
+
+def html_table(rows, columns: tuple[str, ...] | None = None) -> str:
+    """An HTML table of ``rows`` (tuples of cells), every cell escaped, made by pandas.
+
+    Without ``columns`` the rows are ``(name, value)`` pairs shown as a two-column key/value table; with
+    them, a table with that header.
+    """
+    import pandas as pd
+
+    rows = list(rows)
+    if columns is None:
+        frame = pd.DataFrame([v for _, v in rows], index=[k for k, _ in rows])
+        return frame.to_html(header=False, border=0, justify="left")
+    return pd.DataFrame(rows, columns=list(columns)).to_html(index=False, border=0, justify="left")
 
 
 HISTORY_LIMIT = 1000  # reports kept by default: a long loop that records every step stays bounded

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ipywidgets as w
 
-from .report import MemoryReport, format_bytes, parse_bytes
+from .report import MemoryReport, format_bytes, html_table, parse_bytes
 
 
 class MemoryGauge(w.VBox):
@@ -156,10 +156,9 @@ class TechniqueExplorer(w.VBox):
             figure = role_bars(self.reports, at="peak").figure
             display(figure)
             plt.close(figure)
-        rows = "".join(f"<tr><td>{r.label}</td><td>{format_bytes(r.peak)}</td><td>{format_bytes(r.peak_abs)}</td>"
-                       f"<td>{r.seconds * 1e3:.1f} ms</td></tr>" for r in self.reports)
-        self.table.value = ("<table><tr><th>settings</th><th>peak above start</th><th>peak</th><th>time</th></tr>"
-                            f"{rows}</table>")
+        self.table.value = html_table([(r.label, format_bytes(r.peak), format_bytes(r.peak_abs),
+                                        f"{r.seconds * 1e3:.1f} ms") for r in self.reports],
+                                       columns=("settings", "peak above start", "peak", "time"))
         return report
 
     def __repr__(self) -> str:
