@@ -1,9 +1,14 @@
-"""Where the benchmarks write: one CSV per benchmark in bench/out/, every row naming its machine."""
+"""Where the benchmarks write: one CSV per benchmark in bench/out/, and recorded technique matrices in
+data/runs/ (``write_run``); every row names its machine."""
 
 from __future__ import annotations
 
+import csv
 import functools
+import re
 from pathlib import Path
+
+from gpukit.lessons.runs import RUNS_DIR
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -19,6 +24,35 @@ def machine() -> dict:
 def write_csv(name: str, rows: list[dict]) -> Path:
     """Write ``rows`` (dicts with the same keys) to bench/out/``name``, each with the machine's columns
     (a row's own value wins where it has the same key); returns the path."""
-    from gpukit.lessons.runs import write_rows
-
     return write_rows(OUT / name, rows, machine())
+
+
+def slug(info: dict) -> str:
+    """A file name for a machine's run: ``'nvidia-h100-80gb-hbm3'``, ``'cpu-amd-epyc-2-cores'``."""
+    name = str(info["device_name"])
+    if info["device_type"] != "cuda":
+        name = f"cpu-{name}-{info['cores']}-cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def write_rows(path: str | Path, rows: list[dict], info: dict) -> Path:
+    """Write ``rows`` (dicts with the same keys) as a CSV at ``path``, each row with the machine's columns
+    ``info`` added (a row's own value wins where it has the same key); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{**row, **{k: v for k, v in info.items() if k not in row}} for row in rows]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_run(rows: list[dict], info: dict | None = None, folder: Path = RUNS_DIR) -> Path:
+    """Write a technique matrix as ``folder/<machine slug>.csv``, each row with the machine's columns.
+
+    Returns:
+        The path written (an earlier run of the same machine is replaced).
+    """
+    info = info or dict(machine())
+    return write_rows(Path(folder) / f"{slug(info)}.csv", rows, info)

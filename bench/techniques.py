@@ -13,9 +13,8 @@ Writes bench/out/techniques.csv; with --record also data/runs/<machine>.csv.
 
 from __future__ import annotations
 
-from results import write_csv
+from results import write_csv, write_run
 
-from gpukit.lessons.runs import write_run
 from gpukit.lessons.techniques import run_matrix
 
 

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from gpukit import plots  # noqa: E402
 from gpukit.lessons.data import digits_batch  # noqa: E402
 from gpukit.lessons.models import MLP  # noqa: E402
-from gpukit.lessons.runs import MACHINE_COLUMNS, RUNS_DIR, load_runs, machine, read_run, slug, write_run  # noqa: E402
+from gpukit.lessons.runs import MACHINE_COLUMNS, RUNS_DIR, load_runs, machine, read_run  # noqa: E402
 from gpukit.lessons.techniques import (BASELINE, TECHNIQUES, Setup, Technique, measure_technique,  # noqa: E402
                                run_matrix)
 
@@ -31,6 +31,9 @@ def load_bench(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+write_run, slug = load_bench("results").write_run, load_bench("results").slug
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Recorded runs: which machine a measurement came from, and the technique matrices kept in data/runs/.
+"""Recorded runs: which machine a measurement came from, and the technique matrices kept in data/runs/
+(written by ``bench/techniques.py`` with ``bench/results.py``; read here for notebook 09).
 
     from gpukit.lessons.runs import machine, load_runs
     machine()          # {'device_type': 'cpu', 'device_name': 'AMD EPYC', 'torch': '2.13.0+cpu', ...}
@@ -12,10 +13,8 @@ which device it ran on and with which torch.
 
 from __future__ import annotations
 
-import csv
 import datetime
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -75,37 +74,6 @@ def machine(device: str | torch.device | None = None) -> dict[str, str | int]:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
 
 
-def slug(info: dict) -> str:
-    """A file name for a machine's run: ``'nvidia-h100-80gb-hbm3'``, ``'cpu-amd-epyc-2-cores'``."""
-    name = str(info["device_name"])
-    if info["device_type"] != "cuda":
-        name = f"cpu-{name}-{info['cores']}-cores"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def write_rows(path: str | Path, rows: list[dict], info: dict) -> Path:
-    """Write ``rows`` (dicts with the same keys) as a CSV at ``path``, each row with the machine's columns
-    ``info`` added (a row's own value wins where it has the same key); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{**row, **{k: v for k, v in info.items() if k not in row}} for row in rows]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
-def write_run(rows: list[dict], info: dict | None = None, folder: Path = RUNS_DIR) -> Path:
-    """Write a technique matrix as ``folder/<machine slug>.csv``, each row with the machine's columns.
-
-    Returns:
-        The path written (an earlier run of the same machine is replaced).
-    """
-    info = info or machine()
-    return write_rows(Path(folder) / f"{slug(info)}.csv", rows, info)
-
-
 def read_run(path: str | Path):
     """One recorded run as a pandas DataFrame, with a ``file`` column.
 
@@ -137,4 +105,4 @@ def load_runs(folder: str | Path = RUNS_DIR):
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=[*MACHINE_COLUMNS, "file"])
 
 
-__all__ = ["machine", "cpu_model", "slug", "write_rows", "write_run", "read_run", "load_runs", "RUNS_DIR", "MACHINE_COLUMNS"]
+__all__ = ["machine", "cpu_model", "read_run", "load_runs", "RUNS_DIR", "MACHINE_COLUMNS"]
