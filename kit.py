@@ -175,8 +175,20 @@ def lab(args: list[str]) -> None:
     os.execv(str(cmd[0]), [str(c) for c in cmd + args])
 
 
+def test_workers(args: list[str]) -> list[str]:
+    """pytest-xdist's options for a run of the whole suite: one worker per core, at most two, each test
+    handed to the next free worker, so the notebooks in the browser share the machine with the unit tests
+    (each worker starts its own JupyterLab). A run with arguments of its own (``-k magic``, one file) runs
+    in one process, as pytest does."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if args or cores < 2:
+        return ["-p", "xdist"]
+    return ["-p", "xdist", "-n", str(min(2, cores)), "--dist", "load"]
+
+
 def test(args: list[str]) -> int:
-    return subprocess.run([str(VENV_PY), "-m", "pytest", *args], cwd=ROOT, env=test_environment()).returncode
+    return subprocess.run([str(VENV_PY), "-m", "pytest", *test_workers(args), *args], cwd=ROOT,
+                          env=test_environment()).returncode
 
 
 def bench(args: list[str]) -> int:
