@@ -171,6 +171,10 @@ def predict(make_model: Callable[[], nn.Module],
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
             follow(FAKE_LEDGER) as simulated:
+        # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
+        # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
+        # converts afresh: a new storage counted per use. Copies stay in this mode, as on a real device.
+        fake_mode.__deepcopy__ = lambda memo: fake_mode
         model = make_model()
         optimizer = make_optimizer(model.parameters())
         if kind == "cuda":

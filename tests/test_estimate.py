@@ -147,3 +147,22 @@ def test_roles_are_read_on_the_device_the_model_is_built_on():
                    lambda: (torch.zeros(B, 1, 8, 8), torch.zeros(B, dtype=torch.long)))
     assert there.roles_end["parameters"] == there.roles_end["gradients"] > 0
     assert there.roles_end == here.roles_end and there.peak == here.peak
+
+
+def test_deep_copied_layers_are_predicted_exactly_on_cpu():
+    """nn.Transformer and nn.TransformerEncoder clone their layers with copy.deepcopy; the copies' parameters
+    must stay the model's own (one storage each, updated in place), not be converted afresh at every use."""
+
+    def make_model():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                   torch.nn.Linear(16, 5))
+
+    def make_batch():
+        torch.manual_seed(1)
+        return torch.randn(4, 6, 16, device="cpu"), torch.randint(0, 5, (4, 6), device="cpu")
+
+    adam = lambda p: torch.optim.Adam(p)
+    p = predict(make_model, adam, make_batch)
+    assert p.peak == measured_step_peak(make_model, adam, make_batch, device="cpu")
