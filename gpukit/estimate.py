@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .allocator import follow
 from .counter import FAKE_LEDGER, round_up
-from .cudarules import TORCH_RULES_VERSION, CudaRules, cublaslt_workspace_bytes, use_cuda_optimizer_defaults
+from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes
 from .roles import RoleTracker
@@ -198,6 +198,8 @@ def predict(make_model: Callable[[], nn.Module],
         roles = RoleTracker(model_device, model, optimizer)
         if any(p.grad is not None and p.grad.layout is not torch.strided for p in model.parameters()):
             roles = _NoRoles()  # MemTracker reads storages, which sparse gradients do not have
+        elif any(not p.requires_grad for p in model.parameters()):
+            roles = _NoRoles()  # MemTracker hooks every parameter's gradient, and a frozen one refuses the hook
         before, before_unrounded = _state_bytes(model, optimizer, batch)
         with _quiet_gc():
             tally = FAKE_LEDGER.start()
@@ -222,9 +224,7 @@ def predict(make_model: Callable[[], nn.Module],
     if workspaces and reserved_peak is not None:  # each workspace is a cudaMalloc'd block of its own
         from .allocator import CachingAllocator
 
-        sizes = [rules.workspaces()] if not rules.gemm_lt else [rules.workspaces() - cublaslt_workspace_bytes(),
-                                                                 cublaslt_workspace_bytes()]
-        reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in sizes if n)
+        reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
     return Prediction(
         peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
