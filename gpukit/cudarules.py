@@ -29,8 +29,14 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   pads it to a multiple of 32 queries (attention.cu, ``kAlignLSE``). The math fallback saves the
   attention matrix, which this rule does not model: the prediction is then flagged a lower bound.
 
+* cuDNN's workspaces cannot be predicted from source: a convolution's is the one of the algorithm cuDNN
+  picks at run time (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``benchmark`` or heuristics, limited by
+  the free memory), and the RNN kernels' workspace and reserve replace the CPU kernel's
+  (aten/src/ATen/native/cudnn/RNN.cpp). Convolutions and recurrent layers are therefore named in
+  ``unmodelled`` and the prediction is a lower bound.
+
 Not modelled: autocast's weight cache for ``torch.autocast("cuda")`` (fake CPU tensors are not
-cast by a CUDA autocast), cuDNN's workspaces (convolutions, RNNs), and NCCL buffers.
+cast by a CUDA autocast), and NCCL buffers.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
 _SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+_CUDNN_WORKSPACE = {  # CPU op of the step -> what cuDNN adds on CUDA, decided at run time
+    "convolution": "on CUDA cuDNN's convolution takes the workspace of the algorithm it picks at run time "
+                   "(Conv_v8.cpp); not predictable from source",
+    "convolution_backward": "on CUDA cuDNN's convolution backward takes the workspaces of the algorithms it "
+                            "picks at run time (Conv_v8.cpp); not predictable from source",
+    "mkldnn_rnn_layer": "on CUDA the recurrent layer runs cuDNN's kernel (RNN.cpp), whose workspace and "
+                        "reserve differ from this CPU kernel's; not modelled",
+}
 
 
 def cublas_workspace_bytes(sm90: bool = True) -> int:
@@ -114,6 +128,8 @@ class CudaRules(TorchDispatchMode):
                 self.gemm_lt.add(thread)
         elif name == _SDPA_CPU:
             out = self._attention(func, args, kwargs, out)
+        elif name in _CUDNN_WORKSPACE:
+            self.unmodelled[str(func)] = _CUDNN_WORKSPACE[name]
         return out
 
     def _attention(self, func, args, kwargs, out):

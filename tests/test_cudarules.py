@@ -117,3 +117,15 @@ def test_a_backward_without_matrix_products_takes_no_second_workspace(monkeypatc
     trained = predict(model(False), sgd, batch, device="cuda")
     assert frozen.workspaces == 4096 * 1024 * 8 + 1024 * 1024
     assert trained.workspaces - frozen.workspaces == 4096 * 1024 * 8
+
+
+def test_convolutions_on_cuda_are_flagged_a_lower_bound():
+    """cuDNN's convolution workspace depends on the algorithm picked at run time: named, not silently left out."""
+    conv = lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
+    images = lambda: (torch.randn(2, 1, 16, 16, device="cpu"), torch.zeros(2, dtype=torch.long, device="cpu"))
+    sgd = lambda q: torch.optim.SGD(q, lr=0.1)
+    cuda = predict(conv, sgd, images, device="cuda")
+    assert cuda.lower_bound
+    assert {"aten.convolution.default", "aten.convolution_backward.default"} <= set(cuda.unverified_ops)
+    assert not predict(conv, sgd, images, device="cpu").lower_bound
+    assert not predict(wide_mlp, sgd, batch, device="cuda").lower_bound
