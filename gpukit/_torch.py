@@ -71,6 +71,9 @@ except ImportError as err:  # a module moved or a name went away
 # The default __torch_dispatch__ of tensor subclasses that do not dispatch (nn.Parameter and the like).
 disabled_torch_dispatch_impl = _require(torch._C, "_disabled_torch_dispatch_impl", "torch._C")
 _current_graph_task_id = _require(torch._C, "_current_graph_task_id", "torch._C")
+# The autograd node running on this thread (None outside backward): CUDA backward runs on the engine's
+# device threads, each with its own cuBLAS handle and workspace (gpukit.cudarules).
+current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
 
 
 def in_backward() -> bool:
@@ -105,5 +108,5 @@ def set_storage_resize(function) -> None:
 __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "DataDependentOutputException",
            "FakeTensor", "FakeTensorMode", "MemTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
-           "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "storage_resize",
+           "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
            "set_storage_resize"]

@@ -10,11 +10,17 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   sets ``foreach=True`` where the user left it unset, and the CPU then runs the same foreach code.
   ``fused`` is never a default.
 * cuBLAS workspace (aten/src/ATen/cuda/CublasHandlePool.cpp ``getChosenWorkspaceSize``,
-  ``setWorkspaceForHandle``): the first matrix product on a stream allocates, through the caching
-  allocator, a workspace kept for the life of the process: 4096 KiB x 8 = 32 MiB on sm90,
+  ``setWorkspaceForHandle``): the first matrix product of a (cuBLAS handle, stream) allocates, through
+  the caching allocator, a workspace kept for the life of the process: 4096 KiB x 8 = 32 MiB on sm90,
   or what ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` KiB, summed) says. cuBLASLt, used for a
-  matrix product with a bias (``addmm``), has its own (``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024,
-  at most the cuBLAS one).
+  matrix product with a bias (``addmm``), has its own (``getCUDABlasLtWorkspace``: keyed by the Lt
+  handle, which on CUDA is the thread's cuBLAS handle, and the stream; ``CUBLASLT_WORKSPACE_SIZE`` KiB,
+  default 1024, at most the cuBLAS one). Handles are per thread (``getCurrentCUDABlasHandle``: a
+  ``thread_local`` PoolWindow), and autograd runs the backward of CUDA tensors on a device thread of its
+  own (torch/csrc/autograd/engine.cpp: ``Engine::ready_queue`` sends non-CPU work to
+  ``device_ready_queues_``, served by the threads ``start_device_threads`` starts): a step whose forward
+  and backward both multiply matrices holds two cuBLAS workspaces (and two cuBLASLt ones where both
+  threads run ``addmm``). The rule counts them per thread: the caller's, and backward's.
 * Scaled dot-product attention (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash
   attention for float16/bfloat16 without an attention mask, head dimension the same for q, k, v and
   at most 256; otherwise memory-efficient attention (float32 too) when head dimensions are multiples
@@ -23,8 +29,14 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   pads it to a multiple of 32 queries (attention.cu, ``kAlignLSE``). The math fallback saves the
   attention matrix, which this rule does not model: the prediction is then flagged a lower bound.
 
+* cuDNN's workspaces cannot be predicted from source: a convolution's is the one of the algorithm cuDNN
+  picks at run time (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``benchmark`` or heuristics, limited by
+  the free memory), and the RNN kernels' workspace and reserve replace the CPU kernel's
+  (aten/src/ATen/native/cudnn/RNN.cpp). Convolutions and recurrent layers are therefore named in
+  ``unmodelled`` and the prediction is a lower bound.
+
 Not modelled: autocast's weight cache for ``torch.autocast("cuda")`` (fake CPU tensors are not
-cast by a CUDA autocast), cuDNN's workspaces (convolutions, RNNs), and NCCL buffers.
+cast by a CUDA autocast), and NCCL buffers.
 """
 
 from __future__ import annotations
@@ -34,11 +46,19 @@ import re
 
 import torch
 
-from ._torch import TorchDispatchMode, tree_flatten, tree_unflatten
+from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
 _SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+_CUDNN_WORKSPACE = {  # CPU op of the step -> what cuDNN adds on CUDA, decided at run time
+    "convolution": "on CUDA cuDNN's convolution takes the workspace of the algorithm it picks at run time "
+                   "(Conv_v8.cpp); not predictable from source",
+    "convolution_backward": "on CUDA cuDNN's convolution backward takes the workspaces of the algorithms it "
+                            "picks at run time (Conv_v8.cpp); not predictable from source",
+    "mkldnn_rnn_layer": "on CUDA the recurrent layer runs cuDNN's kernel (RNN.cpp), whose workspace and "
+                        "reserve differ from this CPU kernel's; not modelled",
+}
 
 
 def cublas_workspace_bytes(sm90: bool = True) -> int:
@@ -90,7 +110,8 @@ class CudaRules(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.gemm = self.gemm_lt = False
+        self.gemm: set[str] = set()     # threads ("forward", "backward") whose matrix products took a cuBLAS handle
+        self.gemm_lt: set[str] = set()  # and those that ran a cuBLASLt one (addmm)
         self.sdpa: dict[str, int] = {}  # backend -> calls
         self.unmodelled: dict[str, str] = {}
         self.notes: list[str] = []
@@ -100,10 +121,15 @@ class CudaRules(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func._schema.name.split("::", 1)[-1]
         if name in _GEMMS:
-            self.gemm = True
-            self.gemm_lt = self.gemm_lt or name in ("addmm", "_addmm_activation")
+            # Backward (also a checkpoint's recomputed forward) runs on autograd's device thread on CUDA.
+            thread = "backward" if current_autograd_node() is not None else "forward"
+            self.gemm.add(thread)
+            if name in ("addmm", "_addmm_activation"):
+                self.gemm_lt.add(thread)
         elif name == _SDPA_CPU:
             out = self._attention(func, args, kwargs, out)
+        elif name in _CUDNN_WORKSPACE:
+            self.unmodelled[str(func)] = _CUDNN_WORKSPACE[name]
         return out
 
     def _attention(self, func, args, kwargs, out):
@@ -123,9 +149,15 @@ class CudaRules(TorchDispatchMode):
             flat[1] = torch.empty(*lse.shape[:-1], padded, dtype=lse.dtype, device=lse.device)[..., :lse.shape[-1]]
         return tree_unflatten(flat, spec)
 
+    def workspace_blocks(self) -> list[int]:
+        """The sizes of the cuBLAS and cuBLASLt workspaces the step's matrix products allocate, one block each:
+        per thread that multiplied matrices (the caller's for forward, autograd's device thread for backward)."""
+        return ([cublas_workspace_bytes() for _ in sorted(self.gemm)]
+                + [cublaslt_workspace_bytes() for _ in sorted(self.gemm_lt)])
+
     def workspaces(self) -> int:
         """Bytes of the cuBLAS and cuBLASLt workspaces the step's matrix products allocate."""
-        return (cublas_workspace_bytes() if self.gemm else 0) + (cublaslt_workspace_bytes() if self.gemm_lt else 0)
+        return sum(self.workspace_blocks())
 
 
 __all__ = ["CudaRules", "TORCH_RULES_VERSION", "cublas_workspace_bytes", "cublaslt_workspace_bytes",

@@ -42,7 +42,9 @@ def test_matrix_products_allocate_the_cublas_and_cublaslt_workspaces(monkeypatch
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     p = predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, device="cuda")
-    assert p.workspaces == 4096 * 1024 * 8 + 1024 * 1024  # sm90's cuBLAS default + cuBLASLt's (Linear: addmm)
+    # sm90's cuBLAS default for forward's thread and for backward's (autograd's device thread), cuBLASLt's for
+    # forward's addmm (Linear with a bias); backward multiplies with mm only
+    assert p.workspaces == 2 * 4096 * 1024 * 8 + 1024 * 1024
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
     assert cublas_workspace_bytes() == 4096 * 1024 * 2 + 16 * 1024 * 8
     no_matmul = predict(lambda: nn.Sequential(nn.Flatten(), nn.LayerNorm(256)), lambda q: torch.optim.SGD(q, lr=0.1),
@@ -95,3 +97,35 @@ def test_attention_that_takes_the_math_kernel_makes_a_named_lower_bound():
 def test_unknown_devices_are_refused():
     with pytest.raises(ValueError, match="'cpu' and 'cuda'"):
         predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, device="mps")
+
+
+def test_a_backward_without_matrix_products_takes_no_second_workspace(monkeypatch):
+    """A frozen Linear under a trained LayerNorm: backward stops at the LayerNorm, so only forward's thread
+    takes cuBLAS handles; the same model trained throughout takes backward's too."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+
+    def model(frozen):
+        def make():
+            m = nn.Sequential(nn.Linear(256, 10), nn.LayerNorm(10))
+            m[0].requires_grad_(not frozen)
+            return m
+        return make
+
+    sgd = lambda q: torch.optim.SGD(q, lr=0.1)
+    frozen = predict(model(True), sgd, batch, device="cuda")
+    trained = predict(model(False), sgd, batch, device="cuda")
+    assert frozen.workspaces == 4096 * 1024 * 8 + 1024 * 1024
+    assert trained.workspaces - frozen.workspaces == 4096 * 1024 * 8
+
+
+def test_convolutions_on_cuda_are_flagged_a_lower_bound():
+    """cuDNN's convolution workspace depends on the algorithm picked at run time: named, not silently left out."""
+    conv = lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
+    images = lambda: (torch.randn(2, 1, 16, 16, device="cpu"), torch.zeros(2, dtype=torch.long, device="cpu"))
+    sgd = lambda q: torch.optim.SGD(q, lr=0.1)
+    cuda = predict(conv, sgd, images, device="cuda")
+    assert cuda.lower_bound
+    assert {"aten.convolution.default", "aten.convolution_backward.default"} <= set(cuda.unverified_ops)
+    assert not predict(conv, sgd, images, device="cpu").lower_bound
+    assert not predict(wide_mlp, sgd, batch, device="cuda").lower_bound

@@ -166,3 +166,15 @@ def test_deep_copied_layers_are_predicted_exactly_on_cpu():
     adam = lambda p: torch.optim.Adam(p)
     p = predict(make_model, adam, make_batch)
     assert p.peak == measured_step_peak(make_model, adam, make_batch, device="cpu")
+
+
+def test_the_predicted_step_runs_the_optimizer_implementation_the_user_gets_on_cpu():
+    """Warm-up steps may take the foreach implementation; the predicted step is the user's own (CPU: for-loop)."""
+    make_model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    make_batch = lambda: (torch.randn(2, 64, device="cpu"), torch.zeros(2, dtype=torch.long, device="cpu"))
+    default = predict(make_model, lambda p: torch.optim.Adam(p), make_batch)
+    for_loop = predict(make_model, lambda p: torch.optim.Adam(p, foreach=False), make_batch)
+    foreach = predict(make_model, lambda p: torch.optim.Adam(p, foreach=True), make_batch)
+    assert default.peak == for_loop.peak == measured_step_peak(make_model, lambda p: torch.optim.Adam(p), make_batch,
+                                                               device="cpu")
+    assert foreach.peak != default.peak
