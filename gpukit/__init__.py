@@ -9,13 +9,14 @@ In Jupyter: ``%load_ext gpukit``, then ``%%gpumem`` on any cell.
 """
 
 from .budget import budget
+from .plan import plan
 from .meter import measure, resolve_device
 from .report import MemoryReport, clear_history, format_bytes, history, keep_history, last, parse_bytes
 from .traffic import Traffic, copies
 from .warmup import warm_up
 
 __version__ = "0.1.0"
-__all__ = ["measure", "budget", "warm_up", "copies", "Traffic", "MemoryReport", "history", "last", "keep_history",
+__all__ = ["measure", "budget", "plan", "warm_up", "copies", "Traffic", "MemoryReport", "history", "last", "keep_history",
            "clear_history", "format_bytes",
            "parse_bytes", "resolve_device", "load_ipython_extension"]
 

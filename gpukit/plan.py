@@ -174,6 +174,12 @@ class Plan:
     seconds: float
     assumptions: str
     model_note: str
+    optimizers: dict[str, Callable] = field(default_factory=dict, repr=False)  # label -> make_optimizer
+
+    def run(self, row: Row, limit: int | str | None = None, device: str = "cpu"):
+        """One real step of a row's candidate (``run_candidate``), under ``limit`` if given."""
+        return run_candidate(self._make_model, self.optimizers[row.candidate.optimizer], self._make_batch,
+                             row.candidate, limit=None if limit is None else parse_bytes(limit), device=device)
 
     def frame(self):
         """The table as a pandas DataFrame."""
@@ -391,7 +397,7 @@ def _slice_batch(make_batch, n: int, b: int):
 def _offload(counter: list[int] | None = None):
     """What ``torch.autograd.graph.save_on_cpu`` does to device memory, on fake tensors: every tensor saved for
     backward leaves the device (the host copy is not device memory) and comes back, as a new tensor of its size,
-    when backward unpacks it. ``counter[0]`` adds up the bytes copied (both ways)."""
+    when backward unpacks it (zeros: fake tensors carry no values worth keeping). ``counter[0]`` adds up the bytes copied (both ways)."""
 
     def pack(t):
         if counter is not None:
@@ -400,10 +406,19 @@ def _offload(counter: list[int] | None = None):
 
     def unpack(packed):
         size, dtype, device = packed
-        return torch.empty(size, dtype=dtype, device=device)
+        return torch.zeros(size, dtype=dtype, device=device)  # the copy's memory; zeros: valid class indices
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+class _ScalerThatAlwaysSteps(torch.amp.GradScaler):
+    """A GradScaler for fake tensors: the real one reads ``found_inf`` (``.item()``) to skip the optimizer step
+    after an overflow (torch/amp/grad_scaler.py ``_maybe_opt_step``), which a fake tensor cannot answer; the
+    memory of a training step is that of the step taken, so this one always takes it."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
 
 
 def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None):
@@ -412,7 +427,7 @@ def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = 
 
     def step(model, optimizer, batch):
         if technique.amp is torch.float16 and "scaler" not in state:
-            state["scaler"] = torch.amp.GradScaler(batch[0].device.type)  # made inside the fake run
+            state["scaler"] = _ScalerThatAlwaysSteps(batch[0].device.type)  # made inside the fake run
         with _offload(copies) if candidate.offload else contextlib.nullcontext():
             train_step(model, optimizer, batch, technique, state.get("scaler"))
 
@@ -429,6 +444,28 @@ def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
             if t.is_floating_point():
                 t.data = t.data.half()
     return model
+
+
+def _known_storages() -> int:
+    """How many storages the fake counter still knows before a prediction (with bytes)."""
+    from .counter import FAKE_LEDGER
+
+    FAKE_LEDGER.settle()
+    return sum(1 for n in FAKE_LEDGER.sizes.values() if n > 0)
+
+
+def _own_reserved(p: Prediction, foreign: int) -> int:
+    """Reserved memory of the prediction's own allocations: the simulated allocator that ``predict`` attaches is
+    first given every storage the fake counter knows, and fake storages of earlier predictions can still be
+    alive then (kept by PyTorch, not by gpukit); they are the first ``foreign`` events. Without empty_cache
+    reserved memory only grows, so the replay's maximum is reserved at the step's peak."""
+    from .allocator import replay_events
+
+    if not foreign or p.reserved_peak is None:
+        return p.reserved_peak
+    everything = replay_events(p.allocator_events, 2**60)[1]
+    workspaces = p.reserved_peak - everything  # cuBLAS's blocks, which predict adds after the run
+    return replay_events(p.allocator_events[foreign:], 2**60)[1] + workspaces
 
 
 def _model_maker(make_model, precision: str, fake: bool = True):
@@ -571,6 +608,7 @@ class _Search:
         key = (c.optimizer, "half" if c.precision == "half" else "float32")
         if key not in self.floors:
             info: dict = {}
+            gc.collect()  # garbage fake tensors would be placed in the simulated allocator first (see evaluate)
             p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0], lambda: (),
                         step=_optimizer_only(info), device=self.device)
             self.predictions += 1
@@ -603,6 +641,10 @@ class _Search:
         proxy_k = 1 if c.accumulate == 1 else 2
         n = micro * proxy_k
         copies = [0]
+        # Fake tensors of earlier predictions that only the collector frees would otherwise be placed in the
+        # simulated allocator when it attaches, and stay in its reserved memory as cache.
+        gc.collect()
+        foreign = _known_storages()
         p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size), step=_step_for(c, proxy_k, copies),
                     device=self.device)
@@ -612,7 +654,7 @@ class _Search:
         if proxy_k != c.accumulate:
             how.append(f"as 2 micro-batches of {micro} with the batch of {self.facts.batch_size} held")
         peak = p.peak + held
-        reserved = None if p.reserved_peak is None else p.reserved_peak + held
+        reserved = None if p.reserved_peak is None else _own_reserved(p, foreign) + held
         base = reserved if self.device == "cuda" and reserved is not None else peak
         change = self.state_change(c)
         if change:
@@ -642,9 +684,6 @@ class _Search:
         fitting: list[Candidate] = []
         while heap:
             key, i, c, exact = heapq.heappop(heap)
-            if not exact:  # offload: count its copies first (a forward under fake tensors), then queue it again
-                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
-                continue
             if len(fitting) > self.alternatives:
                 self.pruned(c, "costlier than the recipes found", None)
                 continue
@@ -656,9 +695,13 @@ class _Search:
             if lower > self.limit:
                 self.pruned(c, f"model state and optimizer step alone need {format_bytes(lower)}")
                 continue
+            amp = self.amp_bound(c)
+            if amp > self.limit:
+                self.pruned(c, f"autocast at best halves what float32 needs above the model state: at least "
+                               f"{format_bytes(amp)} need")
+                continue
             if c.group not in probed:
-                most = Candidate(c.optimizer, c.precision, max(self.ks), max(self.ckpt), max(self.offl), c.strategy)
-                probed[c.group] = self.evaluate(most).fits
+                probed[c.group] = self.evaluate(self.most_saving(c)).fits
             if not probed[c.group]:
                 if c not in self.rows:
                     self.pruned(c, "does not fit even with the most micro-batches, checkpointing and offload")
@@ -669,15 +712,34 @@ class _Search:
                 if c not in self.rows:
                     self.pruned(c, f"saves no more than {failed.label}, which does not fit")
                 continue
+            if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
+                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+                continue
             row = self.evaluate(c)
             if row.fits:
                 fitting.append(c)
         self.found = fitting
         return self.ordered()
 
+    def most_saving(self, c: Candidate) -> Candidate:
+        return Candidate(c.optimizer, c.precision, max(self.ks), max(self.ckpt), max(self.offl), c.strategy)
+
+    def amp_bound(self, c: Candidate) -> int:
+        """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
+        step needs above it, so it needs at least the state plus half of what the float32 group's most saving
+        candidate needs above it (that candidate is predicted for this, where float32 is a precision tried)."""
+        if c.precision not in ("bf16", "fp16") or "float32" not in self.precisions:
+            return 0
+        ref = self.most_saving(replace(c, precision="float32"))
+        floor = self.lower_bound(ref)
+        if floor > self.limit:
+            return floor
+        probe = self.evaluate(ref)
+        return floor + max(probe.need - floor, 0) // 2
+
     def copy_bytes(self, c: Candidate) -> int:
         """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""
-        key = (c.optimizer, c.precision, c.accumulate, c.checkpointed)
+        key = (c.precision, c.accumulate, c.checkpointed)  # the optimizer does not change what is saved
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
@@ -789,8 +851,10 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     verification = Verification(False, "not asked (verify=False)")
     if verify:
         verification = _verify(search, rows, choice)
-    return Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
-                time.perf_counter() - t0, assumptions, note)
+    result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
+                  time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
+    result._make_model, result._make_batch = make_model, make_batch
+    return result
 
 
 # -- running candidates for real ---------------------------------------------------------------------------------
