@@ -92,6 +92,19 @@ for _name, _params in (("_pre_fw_hook", ("self", "module", "inputs")), ("_update
 del _name, _params, _found
 
 
+# --- a GradScaler for fake tensors -------------------------------------------------------------------------
+_require(torch.amp.GradScaler, "_maybe_opt_step", "torch.amp.GradScaler")
+
+
+class ScalerThatAlwaysSteps(torch.amp.GradScaler):
+    """A GradScaler for fake tensors: the real one reads ``found_inf`` (``.item()``) to skip the optimizer step
+    after an overflow (torch/amp/grad_scaler.py ``_maybe_opt_step``), which a fake tensor cannot answer; the
+    memory of a training step is that of the step taken, so this one always takes it."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
 # --- storages that grow in place ---------------------------------------------------------------------------
 # UntypedStorage.resize_ changes a storage's size without passing through the dispatcher (FSDP frees and
 # regrows its parameters' storages with it), so the counter wraps it while a measured block is open.
@@ -109,4 +122,4 @@ __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "Dat
            "FakeTensor", "FakeTensorMode", "MemTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
-           "set_storage_resize"]
+           "set_storage_resize", "ScalerThatAlwaysSteps"]

@@ -1,0 +1,203 @@
+"""plan(): every verdict against a real step under gpukit.budget on the CPU, the gradients of the chosen recipe,
+the pruning against an exhaustive search, the pasted code, and bad input. Small models: seconds in all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.estimate import predict
+from gpukit.lessons.data import digit_tokens_batch, digits_batch
+from gpukit.lessons.models import MLP, GPTConfig, TinyGPT
+from gpukit.plan import Candidate, _Search, _step_for, plan
+from gpukit.step import Technique, train_step
+
+DEVICE = "cpu"  # every figure here is the CPU's: predicted on its code paths, measured with its counter
+
+
+def mlp_case(batch: int = 512):
+    x, y = digits_batch(batch)
+    return (lambda: MLP(width=64, depth=3)), (lambda p: torch.optim.Adam(p, lr=1e-3)), (lambda: (x.clone(), y.clone()))
+
+
+def gpt_case(batch: int = 32):
+    x, y = digit_tokens_batch(batch)
+    return (lambda: TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))), (lambda p: torch.optim.AdamW(p)), \
+        (lambda: (x.clone(), y.clone()))
+
+
+def plain_peak(case) -> int:
+    make_model, make_opt, make_batch = case
+    return predict(make_model, make_opt, make_batch, device=DEVICE).peak
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    case = mlp_case()
+    limit = int(plain_peak(case) * 0.85)  # the plain step does not fit; techniques must make room
+    return case, limit, plan(*case, budget=limit, device=DEVICE, precisions=("float32", "bf16"),
+                             accumulate=[1, 2, 4], implementations=False, alternatives=3, verify=False)
+
+
+def test_every_verdict_is_confirmed_by_a_real_step_under_budget(mlp_plan):
+    _, limit, p = mlp_plan
+    confirmed = {True: 0, False: 0}
+    for row in p.rows:
+        if row.fits is None:
+            continue  # dominated: no verdict was given
+        if row.fits:
+            _, measured, _ = p.run(row, limit=limit, device=DEVICE)
+            if row.peak is not None:
+                assert measured == row.peak, row.candidate.label  # exact on the CPU, accumulation's shortcut too
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                p.run(row, limit=limit, device=DEVICE)
+        confirmed[bool(row.fits)] += 1
+    assert confirmed[True] >= 1 and confirmed[False] >= 1  # both verdicts were put to the test
+
+
+def test_the_plain_step_does_not_fit_and_the_choice_does(mlp_plan):
+    _, limit, p = mlp_plan
+    plain = next(r for r in p.rows if r.candidate == Candidate(r.candidate.optimizer))
+    assert plain.fits is False and plain.need > limit
+    assert p.choice is not None and p.choice.need <= limit and p.choice is p.rows[0]
+
+
+def test_pruning_never_drops_the_true_cheapest():
+    for case, fraction in ((gpt_case(), 0.9),):
+        limit = int(plain_peak(case) * fraction)
+        kwargs = dict(device=DEVICE, precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False,
+                      alternatives=0, verify=False)
+        p = plan(*case, budget=limit, **kwargs)
+        search = _Search(*case, limit, gpus=1, optimizers=None, implementations=False,
+                         precisions=("float32", "bf16"), accumulate=[1, 2, 4], checkpointing=True, offload=True,
+                         strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
+                         host_bandwidth=16e9, alternatives=0, device=DEVICE)
+        every = [search.evaluate(c) for c in search.candidates()]  # exhaustive: each candidate predicted
+        fitting = [r for r in every if r.fits]
+        assert fitting and len(fitting) < len(every)
+        cheapest = min(fitting, key=lambda r: search.key(r.candidate, r.copy_bytes))
+        assert p.choice.candidate == cheapest.candidate
+        assert p.predictions < search.predictions  # and it predicted fewer
+
+
+@pytest.mark.parametrize("precision,accumulate,checkpointed", [("float32", 4, True), ("bf16", 2, False),
+                                                                ("fp16", 1, True)])
+def test_a_recipe_gives_the_plain_gradients_within_its_stated_tolerance(precision, accumulate, checkpointed):
+    make_model, make_opt, make_batch = gpt_case()
+    search = _Search(make_model, make_opt, make_batch, 10**12, gpus=1, optimizers=None, implementations=False,
+                     precisions=(precision,), accumulate=None, checkpointing=True, offload=False,
+                     strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
+                     host_bandwidth=16e9, alternatives=0, device=DEVICE)
+    c = Candidate(next(iter(search.optimizers)), precision, accumulate, checkpointed)
+    tolerance = search.numerics(c)[2]
+    assert tolerance is not None
+
+    def gradients(technique, scaler=None):
+        torch.manual_seed(0)
+        model = make_model()
+        train_step(model, make_opt(model.parameters()), make_batch(), technique, scaler)
+        return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    plain = gradients(Technique())
+    scaler = torch.amp.GradScaler(DEVICE) if precision == "fp16" else None
+    got = gradients(c.technique(), scaler)
+    error = float((got - plain).norm() / plain.norm())
+    assert error <= tolerance, (c.label, error, tolerance)
+    if precision != "float32":
+        assert error > 0  # the comparison can tell rounding from no change
+
+
+def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan):
+    case, limit, _ = mlp_plan
+    p = plan(*case, budget=limit, device=DEVICE, precisions=("float32",), accumulate=[1, 2], implementations=False,
+             alternatives=0)
+    v = p.verification
+    assert v.ran and v.fitted and v.measured_peak == p.choice.peak
+    assert "fitted" in v.message and p.choice.measured_on == DEVICE
+
+
+def test_the_pasted_code_trains_like_train_step():
+    make_model, make_opt, make_batch = mlp_case()
+    limit = int(plain_peak((make_model, make_opt, make_batch)) * 0.85)
+    p = plan(make_model, make_opt, make_batch, budget=limit, device=DEVICE, precisions=("float32",),
+             accumulate=[1, 2, 4], implementations=False, alternatives=0, verify=False)
+    c = p.choice.candidate
+    assert c.accumulate > 1 or c.checkpointed  # a recipe with a technique in it
+    torch.manual_seed(0)
+    namespace = {"make_model": make_model, "loader": [make_batch()]}
+    exec(p.code, namespace)
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train_step(model, optimizer, make_batch(), c.technique())
+    for a, b in zip(namespace["model"].parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_offload_takes_every_saved_tensor_off_the_device_and_counts_its_copies():
+    """The prediction's stand-in for save_on_cpu: the copies it counts are twice the bytes autograd saves in a real
+    forward (counted by a hook of our own), and the device's peak goes down."""
+    make_model, make_opt, make_batch = gpt_case()
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    torch.manual_seed(0)
+    model = make_model()
+    x, y = make_batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # train_step's forward and loss
+        torch.nn.functional.cross_entropy(model(x).float().flatten(0, -2), y.flatten())
+    c = Candidate("yours", offload=True)
+    copies = [0]
+    offloaded = predict(make_model, make_opt, make_batch, step=_step_for(c, 1, copies), device=DEVICE,
+                        warmup_steps=0)
+    plain = predict(make_model, make_opt, make_batch, device=DEVICE, warmup_steps=0)
+    assert copies[0] == 2 * saved[0] > 0
+    assert offloaded.peak < plain.peak
+
+
+def test_several_gpus_give_per_rank_figures_by_the_sharding_formulas():
+    case = gpt_case(batch=8)
+    p = plan(*case, budget="1GB", device=DEVICE, gpus=2, precisions=("float32",), accumulate=[1],
+             checkpointing=False, implementations=False, alternatives=5, verify=True)
+    need = {r.candidate.strategy: r.need for r in p.rows if r.need is not None}
+    assert set(need) == {"DDP", "ZeRO-1", "FSDP"}
+    assert need["FSDP"] < need["ZeRO-1"] < need["DDP"]  # each stage shards more
+    assert "not run here" in p.verification.message
+
+
+def test_the_plan_renders_as_text_and_html(mlp_plan):
+    _, _, p = mlp_plan
+    text, page = repr(p), p._repr_html_()
+    assert p.choice.candidate.label in text and p.choice.candidate.label in page
+    assert "optimizer.step()" in text and "<table" in page and "recipe" in page
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"budget": "lots"}, "not a size"),
+    ({"budget": "24GB", "device": "tpu"}, "'cuda'"),
+    ({"budget": "24GB", "precisions": ("fp8",)}, "float32, bf16, fp16, half"),
+    ({"budget": "24GB", "gpus": 0}, "whole number of GPUs"),
+    ({"budget": "24GB", "accumulate": [3]}, "must divide"),
+    ({"budget": "24GB", "strategies": ("FSDP",)}, "gpus=2"),
+    ({"budget": "24GB", "gpus": 2, "strategies": ("ZeRO-3",)}, "DDP, ZeRO-1, FSDP"),
+    ({"budget": "24GB", "optimizers": {"sgd": "SGD"}}, "must build an optimizer"),
+])
+def test_bad_input_says_what_is_allowed(kwargs, message):
+    make_model, make_opt, make_batch = mlp_case()
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan(make_model, make_opt, make_batch, **kwargs)
+
+
+def test_a_batch_that_is_not_inputs_and_targets_is_refused():
+    make_model, make_opt, _ = mlp_case()
+    with pytest.raises(ValueError, match="inputs, targets"):
+        plan(make_model, make_opt, lambda: torch.zeros(4, 64), budget="1GB", device=DEVICE)
+
+
+def test_plan_is_exported():
+    assert gpukit.plan is plan
