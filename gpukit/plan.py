@@ -436,28 +436,6 @@ def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
     return model
 
 
-def _known_storages() -> int:
-    """How many storages the fake counter still knows before a prediction (with bytes)."""
-    from .counter import FAKE_LEDGER
-
-    FAKE_LEDGER.settle()
-    return sum(1 for n in FAKE_LEDGER.sizes.values() if n > 0)
-
-
-def _own_reserved(p: Prediction, foreign: int) -> int:
-    """Reserved memory of the prediction's own allocations: the simulated allocator that ``predict`` attaches is
-    first given every storage the fake counter knows, and fake storages of earlier predictions can still be
-    alive then (kept by PyTorch, not by gpukit); they are the first ``foreign`` events. Without empty_cache
-    reserved memory only grows, so the replay's maximum is reserved at the step's peak."""
-    from .allocator import replay_events
-
-    if not foreign or p.reserved_peak is None:
-        return p.reserved_peak
-    everything = replay_events(p.allocator_events, 2**60)[1]
-    workspaces = p.reserved_peak - everything  # cuBLAS's blocks, which predict adds after the run
-    return replay_events(p.allocator_events[foreign:], 2**60)[1] + workspaces
-
-
 def _model_maker(make_model, precision: str, fake: bool = True):
     if precision != "half":
         return make_model
@@ -634,7 +612,6 @@ class _Search:
         # Fake tensors of earlier predictions that only the collector frees would otherwise be placed in the
         # simulated allocator when it attaches, and stay in its reserved memory as cache.
         gc.collect()
-        foreign = _known_storages()
         p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size), step=_step_for(c, proxy_k, copies),
                     device=self.device)
@@ -644,7 +621,7 @@ class _Search:
         if proxy_k != c.accumulate:
             how.append(f"as 2 micro-batches of {micro} with the batch of {self.facts.batch_size} held")
         peak = p.peak + held
-        reserved = None if p.reserved_peak is None else _own_reserved(p, foreign) + held
+        reserved = None if p.reserved_peak is None else p.reserved_peak + held
         base = reserved if self.device == "cuda" and reserved is not None else peak
         change = self.state_change(c)
         if change:

@@ -15,12 +15,11 @@ step count per tensor).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from ._torch import _TOTAL_KEY, MemTracker, _MemRefType, _ModState, tree_map_only
+from ._torch import MemTrackerThatLetsGo, StepTracker
 
 # MemTracker's names -> gpukit's names (report.ROLES)
 _NAMES = {
@@ -34,80 +33,6 @@ _NAMES = {
 }
 
 
-class _StepTracker(MemTracker):
-    """MemTracker that accepts the model being run several times in one block.
-
-    MemTracker refuses a second forward of the root module (it keeps per-module
-    statistics for one iteration); gradient accumulation does exactly that. gpukit
-    reads only the totals by role, so the per-module statistics are reset instead.
-    """
-
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            name = self._mod_tracker.get_known_fqn(module)
-            if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
-        stats = self.memory_tracking.get(module)
-        if stats is not None:
-            by_fqn = self.__dict__.setdefault("_stats_by_fqn", {})
-            entries = by_fqn.setdefault(stats.mod_fqn, [])
-            if all(s is not stats for s in entries):
-                entries.append(stats)
-
-    # Set by predictions, whose steps hold no DTensor and no nested fake mode: after every op MemTracker
-    # then needs neither its search for the active fake mode nor a pytree walk of the outputs (a third of
-    # a 6.7-billion-parameter GPT's prediction went there).
-    plain_tensors_only = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.plain_tensors_only or not hasattr(self, "_fake_mode_on_entry"):
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        res = func(*args, **(kwargs or {}))
-        if self._in_opt:
-            reftype = _MemRefType.OPT
-        elif self._mod_tracker.is_bw and not self._in_ac:
-            reftype = _MemRefType.TEMP
-        else:
-            reftype = _MemRefType.ACT
-        if isinstance(res, torch.Tensor):
-            self._track(reftype, res)
-        elif isinstance(res, (tuple, list)):
-            for r in res:
-                if isinstance(r, torch.Tensor):
-                    self._track(reftype, r)
-                elif isinstance(r, (tuple, list)):
-                    tree_map_only(torch.Tensor, partial(self._track, reftype), r)
-        self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-        return res
-
-    def reset_mod_stats(self) -> None:
-        super().reset_mod_stats()
-        self._stats_by_fqn = {}
-
-    def _update_peak_stats(self, peak_state) -> None:
-        """MemTracker's own update, visiting only the modules now running.
-
-        MemTracker walks the statistics of every module it has seen after every op, which
-        made a 6.7-billion-parameter GPT's prediction spend 28 of its 42 s here; only the
-        modules in ``parents`` can change, so the result is the same. A snapshot maps names
-        to integers, so a dict copy is the deep copy MemTracker makes.
-        """
-        curr_snap = self._curr_mem_snap
-        by_fqn = self.__dict__.get("_stats_by_fqn", {})
-        for fqn in self._mod_tracker.parents:
-            for mod_stats in by_fqn.get(fqn, ()):
-                if peak_state in mod_stats.snapshots:
-                    for dev, dev_snap in curr_snap.items():
-                        if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                            mod_stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                            mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
-        for dev, dev_snap in curr_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(dev_snap)
-
-
 class RoleTracker:
     """Tracks memory by role inside a block; ``start`` / ``stop`` around it."""
 
@@ -117,11 +42,11 @@ class RoleTracker:
             raise ValueError("a role breakdown needs the model (and optimizer) the block trains")
         self.device = device
         self._tracked = [obj for obj in (model, optimizer) if obj is not None]
-        self._tracker: _StepTracker | None = None
+        self._tracker: StepTracker | None = None
         self._end: dict[str, int] | None = None
 
     def start(self, plain_tensors_only: bool = False) -> None:
-        self._tracker = _StepTracker()
+        self._tracker = StepTracker()
         self._tracker.plain_tensors_only = plain_tensors_only
         self._tracker.track_external(*self._tracked)
         self._tracker.__enter__()
@@ -168,7 +93,7 @@ def memtracker_peak(run: Callable[[], Any], *existing: Any, device: str | torch.
             frees inside it count (the model, its optimizer, the batch).
         device: whose memory to read.
     """
-    tracker = MemTracker()
+    tracker = MemTrackerThatLetsGo()
     tracker.track_external(*existing)
     dev = torch.device(device)
     start = tracker.get_tracker_snapshot()[dev]["Total"]

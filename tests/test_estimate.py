@@ -132,6 +132,23 @@ def test_the_same_prediction_twice_gives_the_same_bytes():
     assert predict(*make).peak == first.peak
 
 
+def test_a_dropped_prediction_leaves_no_fake_storage_behind_and_reserved_memory_repeats():
+    """Device: a simulated GPU fed by fake tensors. The role breakdown's module tracker once kept every hidden
+    layer's fake parameters and gradients alive after a prediction (its autograd hooks, a cycle through C++);
+    the next prediction's simulated allocator then started with them in its cache and reported more reserved
+    memory for the same step."""
+    import gc
+
+    from gpukit.counter import FAKE_LEDGER
+
+    make = (lambda: MLP(width=256, depth=4), lambda q: torch.optim.Adam(q), image_batch)
+    reserved = [predict(*make, device="cuda").reserved_peak for _ in range(3)]
+    gc.collect()
+    FAKE_LEDGER.settle()
+    assert [n for n in FAKE_LEDGER.sizes.values() if n > 0] == []
+    assert len(set(reserved)) == 1 and reserved[0] > 0, reserved
+
+
 def test_roles_are_read_on_the_device_the_model_is_built_on():
     # A model built on a GPU under fake tensors has its roles there, not on the CPU. Fake CUDA tensors abort
     # on a CPU-only torch, so 'meta' stands in for the other device.

@@ -68,3 +68,45 @@ def test_a_failing_block_with_roles_restores_state():
     with gpukit.measure("cpu", model=model) as r:  # and the next block works
         model(torch.randn(2, 64))
     assert r.roles_end["parameters"] == parameter_bytes(model)
+
+
+def _step_weakrefs(measure_block):
+    """Run one Adam step of a fresh MLP inside ``measure_block(model, opt)``; weak references to what it made."""
+    import weakref
+
+    model = MLP(n_in=64, width=32, depth=3)
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    with measure_block(model, opt):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [weakref.ref(p) for p in model.parameters()] + [weakref.ref(p.grad) for p in model.parameters()]
+
+
+def test_a_measured_step_with_roles_lets_go_of_the_model_once_the_user_does():
+    import gc
+
+    refs = _step_weakrefs(lambda model, opt: gpukit.measure("cpu", model=model, optimizer=opt))
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+
+
+def test_pytorchs_own_mod_tracker_keeps_the_hidden_layers_alive_which_is_why_gpukit_removes_its_hooks():
+    # The cause, pinned: ModTracker's multi-grad hooks on module inputs close over the inputs' grad_fns and
+    # are stored on them (torch/autograd/graph.py), a cycle the garbage collector cannot see. When this
+    # fails on a newer torch, ModTrackerThatLetsGo (gpukit/_torch.py) is no longer needed there.
+    import gc
+
+    from gpukit._torch import MemTracker
+
+    def plain(model, opt):
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        return tracker
+
+    refs = _step_weakrefs(plain)
+    gc.collect()
+    kept = [r for r in refs if r() is not None]
+    assert kept, "torch's ModTracker no longer keeps a step's tensors: the workaround can go"
+    # The hidden layers' parameters and gradients (reachable from a later layer's input), not the last layer's.
+    assert 0 < len(kept) < len(refs)

@@ -8,11 +8,6 @@ from gpukit.lessons.models import MLP
 from gpukit.widgets import TechniqueExplorer
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "each run's hidden-layer parameters and gradients stay alive after the run, held from C++: the "
-    "role breakdown's PyTorch MemTracker/ModTracker hook closures outlive the block (found with "
-    "gc.get_referrers: no Python referrer); measured without the role breakdown the level does not move; "
-    "a gc.collect() before each run does not free them"))
 def test_repeated_identical_runs_start_from_the_same_level():
     explorer = TechniqueExplorer(lambda: MLP(n_in=64, width=128, depth=3), digits_batch, device="cpu",
                                  batch_sizes=(256, 512))
