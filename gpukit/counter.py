@@ -60,8 +60,8 @@ import weakref
 
 import torch
 
-from ._torch import (FakeTensor, TorchDispatchMode, disabled_torch_dispatch_impl, is_traceable_wrapper_subclass,
-                     set_storage_resize, storage_resize)
+from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
+                     is_traceable_wrapper_subclass, set_storage_resize, storage_resize)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -547,8 +547,13 @@ class Ledger:
             if obj is not None:
                 self._read(obj, graph_roots)
         if graph_roots:
-            for t in _saved_tensors(graph_roots):
-                self._adopt(t)
+            # Reading a saved tensor runs the unpack hook it was saved with (saved_tensors_hooks) and an op or
+            # two (a detach), under whatever modes this thread has: a fake mode would turn a real saved tensor
+            # into a new fake one, which the fake ledger would adopt and then see die inside the block,
+            # lowering its peak. The graphs are read with the thread's modes off.
+            with _disable_current_modes():
+                for t in _saved_tensors(graph_roots):
+                    self._adopt(t)
 
     def _keep(self, t: torch.Tensor) -> bool:
         """Whether to keep a weak reference to this tensor object between scans.
@@ -565,7 +570,8 @@ class Ledger:
         """Adopt a tensor's storage, its ``.grad``, and note its autograd graph."""
         try:
             self._adopt(t)
-            if t.grad_fn is not None:
+            # The fake ledger's tensors are fake: a real tensor's graph holds none of them.
+            if t.grad_fn is not None and (not self.fake or isinstance(t, FakeTensor) or t.is_meta):
                 graph_roots.append(t.grad_fn)
             if t.is_leaf or t.retains_grad:
                 grad = t.grad

@@ -149,6 +149,20 @@ def test_a_dropped_prediction_leaves_no_fake_storage_behind_and_reserved_memory_
     assert len(set(reserved)) == 1 and reserved[0] > 0, reserved
 
 
+def test_a_real_graph_saved_through_hooks_does_not_change_a_prediction():
+    """Device: cpu (a real graph alive) and fake tensors. Reading a saved tensor runs its unpack hook and a detach;
+    under the prediction's fake mode that once turned the real graph's saved tensors into fake ones, which the
+    fake counter adopted before the step and saw die during it: the step's peak came out 0."""
+    make = (lambda: MLP(width=64, depth=3), lambda q: torch.optim.Adam(q), image_batch)
+    alone = predict(*make)
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        kept = torch.relu(x @ x).sum()  # its graph, and the tensors it saves, stay alive
+    beside = predict(*make)
+    assert (beside.step_peak, beside.peak) == (alone.step_peak, alone.peak) and alone.step_peak > 0
+    del kept
+
+
 def test_roles_are_read_on_the_device_the_model_is_built_on():
     # A model built on a GPU under fake tensors has its roles there, not on the CPU. Fake CUDA tensors abort
     # on a CPU-only torch, so 'meta' stands in for the other device.
