@@ -5,6 +5,7 @@
     python3 kit.py test     create/update .venv, then run every test (pytest + nbval)
     python3 kit.py bench    create/update .venv, then run the benchmarks in bench/
     python3 kit.py setup    only create/update .venv
+    python3 kit.py outputs  run the notebooks on the CPU and store them with their outputs (all, or those named)
     python3 kit.py gpu-check   on a GPU machine: the whole suite on CUDA, the exactness benchmark, the
                                technique matrix recorded in data/runs/, and a report of what differed
 
@@ -156,7 +157,10 @@ def setup() -> None:
 
     kept = VENV / ".constraints-resolved.txt"
     kept.write_text(constraints(linked))
-    _run([VENV_PY, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+    # --no-compile: pip would byte-compile every module of every package (torch's thousands among them), more
+    # than half of a fresh set-up's time (115 s with, 51 s without, on two cores); Python compiles the
+    # modules a run imports, once, when it first imports them.
+    _run([VENV_PY, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile",
           "-c", kept, "-e", f"{ROOT}[test]"])
     STAMP.write_text(key)
 
@@ -189,6 +193,10 @@ def test_workers(args: list[str]) -> list[str]:
 def test(args: list[str]) -> int:
     return subprocess.run([str(VENV_PY), "-m", "pytest", *test_workers(args), *args], cwd=ROOT,
                           env=test_environment()).returncode
+
+
+def outputs(args: list[str]) -> int:
+    return subprocess.run([str(VENV_PY), str(ROOT / "tests" / "notebook_outputs.py"), *args], cwd=ROOT).returncode
 
 
 def bench(args: list[str]) -> int:
@@ -277,7 +285,7 @@ def gpu_check(args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    commands = ("lab", "test", "bench", "setup", "gpu-check")
+    commands = ("lab", "test", "bench", "setup", "gpu-check", "outputs")
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -291,6 +299,8 @@ def main(argv: list[str]) -> int:
         return bench(rest)
     if command == "gpu-check":
         return gpu_check(rest)
+    if command == "outputs":
+        return outputs(rest)
     return 0
 
 
