@@ -35,14 +35,25 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   (aten/src/ATen/native/cudnn/RNN.cpp). Convolutions and recurrent layers are therefore named in
   ``unmodelled`` and the prediction is a lower bound.
 
-Not modelled: autocast's weight cache for ``torch.autocast("cuda")`` (fake CPU tensors are not
-cast by a CUDA autocast), and NCCL buffers.
+* Autocast: the step's ``torch.autocast`` runs on the fake CPU tensors as CPU autocast. Its weight cache is
+  CUDA's: ``cached_cast`` (aten/src/ATen/autocast_mode.cpp) keeps the lower-precision copy of a float32 leaf
+  that requires grad for the whole autocast region on every device type alike, so each weight is cast once
+  per forward, as on CUDA. Its op lists are not CUDA's: ``torch.autocast("cuda")`` runs the ops of its
+  float32 lists (aten/src/ATen/autocast_mode.h, ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``:
+  layer and group norm, softmax and log-softmax, the losses, exp, log, pow, sum...) in float32, where CPU
+  autocast leaves several of them in bfloat16 or float16. Such an op, met under autocast with lower-precision
+  inputs, is named in ``unmodelled``: its output and what it saves are counted at half their CUDA size, so
+  the prediction is a lower bound. Ops CUDA runs in lower precision and CPU autocast in float32 (``addmv``,
+  ``addr``, ``mv``, the fused RNN cells) are counted in float32: high, not flagged.
+
+Not modelled: NCCL buffers.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 
 import torch
 
@@ -105,6 +116,27 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ha
     return "math"
 
 
+# torch.autocast("cuda")'s float32 lists (aten/src/ATen/autocast_mode.h: AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, and norm's fp32_append_dtype), by the names the ops have where a dispatch mode
+# sees them: below CompositeImplicit decompositions (softmax -> _softmax, nll_loss -> nll_loss_forward,
+# layer_norm -> native_layer_norm, cdist -> _cdist_forward).
+_AUTOCAST_CUDA_FP32 = {
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
+    "group_norm", "native_group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "multilabel_margin_loss_forward", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "_pdist_forward", "cdist",
+    "_cdist_forward", "renorm", "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa", "prod", "softmax", "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum",
+    "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm",
+}
+_LOWER = (torch.float16, torch.bfloat16)
+
+
 class CudaRules(TorchDispatchMode):
     """Applies the CUDA rules above to a fake CPU step; enter it inside the fake mode (above the kernel check)."""
 
@@ -114,7 +146,33 @@ class CudaRules(TorchDispatchMode):
         self.gemm_lt: set[str] = set()  # and those that ran a cuBLASLt one (addmm)
         self.sdpa: dict[str, int] = {}  # backend -> calls
         self.unmodelled: dict[str, str] = {}
-        self.notes: list[str] = []
+        self._autocast: list[bool] = []  # the step's autocast regions on the (fake) CPU, innermost last
+
+    # Inside a dispatch mode torch.is_autocast_enabled() reads False (the autocast keys are excluded while a
+    # mode runs), so the rules follow the step's autocast regions themselves, from torch.autocast's enter/exit.
+    def __enter__(self):
+        cls = torch.amp.autocast_mode.autocast
+        self._saved = cls.__enter__, cls.__exit__
+        enter, exit_, regions, here = self._saved[0], self._saved[1], self._autocast, threading.get_ident()
+
+        def entered(ac):
+            out = enter(ac)
+            if threading.get_ident() == here:  # the step's thread; another thread's autocast is not the step's
+                regions.append(torch.is_autocast_enabled("cpu"))  # read here, outside any dispatch
+            return out
+
+        def exited(ac, *exc):
+            if regions and threading.get_ident() == here:
+                regions.pop()
+            return exit_(ac, *exc)
+
+        cls.__enter__, cls.__exit__ = entered, exited
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        cls = torch.amp.autocast_mode.autocast
+        cls.__enter__, cls.__exit__ = self._saved
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,6 +188,15 @@ class CudaRules(TorchDispatchMode):
             out = self._attention(func, args, kwargs, out)
         elif name in _CUDNN_WORKSPACE:
             self.unmodelled[str(func)] = _CUDNN_WORKSPACE[name]
+        elif (name in _AUTOCAST_CUDA_FP32 and self._autocast and self._autocast[-1] and str(func) not in self.unmodelled
+              and current_autograd_node() is None):
+            low = next((a.dtype for a in tree_flatten((args, kwargs))[0]
+                        if isinstance(a, torch.Tensor) and a.dtype in _LOWER), None)
+            if low is not None:
+                self.unmodelled[str(func)] = (
+                    f"torch.autocast('cuda') runs {name} in float32 (its float32 list, aten/src/ATen/autocast_mode.h); "
+                    f"CPU autocast ran it in {str(low).replace('torch.', '')} here: its output and what it saves "
+                    "are counted at half their CUDA size")
         return out
 
     def _attention(self, func, args, kwargs, out):

@@ -129,3 +129,30 @@ def test_convolutions_on_cuda_are_flagged_a_lower_bound():
     assert {"aten.convolution.default", "aten.convolution_backward.default"} <= set(cuda.unverified_ops)
     assert not predict(conv, sgd, images, device="cpu").lower_bound
     assert not predict(wide_mlp, sgd, batch, device="cuda").lower_bound
+
+
+def _amp_step(model, optimizer, batch):
+    from gpukit.step import Technique, train_step
+
+    train_step(model, optimizer, batch, Technique(amp=torch.bfloat16))
+
+
+def _small_batch():
+    return torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+
+def test_an_op_cuda_autocast_runs_in_float32_is_flagged_where_cpu_autocast_did_not():
+    """Device: fake tensors under CUDA's rules. torch.autocast('cuda') runs layer_norm in float32
+    (aten/src/ATen/autocast_mode.h, AT_FORALL_FP32); CPU autocast leaves it in bfloat16, so the prediction
+    counts its output at half size: a lower bound, said so. Plain layers, and the same model without
+    autocast, are not flagged; torch.autocast is left as it was."""
+    enter = torch.amp.autocast_mode.autocast.__enter__
+    with_norm = lambda: nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 10))
+    plain = lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    adamw = lambda q: torch.optim.AdamW(q)
+    flagged = predict(with_norm, adamw, _small_batch, step=_amp_step, device="cuda")
+    assert flagged.lower_bound and "float32" in flagged.unverified_ops["aten.native_layer_norm.default"]
+    assert not predict(plain, adamw, _small_batch, step=_amp_step, device="cuda").lower_bound
+    assert not predict(with_norm, adamw, _small_batch, device="cuda").lower_bound  # float32 throughout
+    assert not predict(with_norm, adamw, _small_batch, step=_amp_step, device="cpu").lower_bound  # CPU's own rules
+    assert torch.amp.autocast_mode.autocast.__enter__ is enter
