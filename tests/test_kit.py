@@ -191,6 +191,11 @@ def test_the_test_run_loads_only_the_plugins_the_suite_names(tmp_path):
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
 
 
+def test_the_test_run_has_one_torch_thread_per_worker_unless_asked_otherwise():
+    assert kit.test_environment({})["OMP_NUM_THREADS"] == "1"
+    assert kit.test_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
 def test_the_whole_suite_runs_on_two_workers_and_a_chosen_test_in_one_process(monkeypatch):
     monkeypatch.setattr(kit.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert kit.test_workers([]) == ["-p", "xdist", "-n", "2", "--dist", "load"]  # at most two
