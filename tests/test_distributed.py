@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukit import dataparallel
+from gpukit.lessons import dataparallel
 from gpukit.distributed import (RankFailed, alive, choose_backend, launch, publish, rank_environment,
                                 torchrun_command)
-from gpukit.parallel import fsdp_shard_bytes, make_model, model_state_formulas
+from gpukit.lessons.parallel import fsdp_shard_bytes, make_model, model_state_formulas
 
 
 def rank_script(tmp_path: Path, body: str) -> Path:
@@ -99,13 +99,13 @@ def test_a_run_past_its_time_limit_is_stopped_and_leaves_no_process(tmp_path):
 
 
 def test_the_command_is_torchrun_on_127_0_0_1():
-    cmd = torchrun_command("gpukit.parallel", ["ddp", 3], nproc=4, port=12345)
+    cmd = torchrun_command("gpukit.lessons.parallel", ["ddp", 3], nproc=4, port=12345)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--nproc-per-node=4" in cmd and "--master-addr=127.0.0.1" in cmd and "--master-port=12345" in cmd
-    assert cmd[-4:] == ["-m", "gpukit.parallel", "ddp", "3"]
+    assert cmd[-4:] == ["-m", "gpukit.lessons.parallel", "ddp", "3"]
     assert torchrun_command("/x/ranks.py", nproc=1)[-1] == "/x/ranks.py"
     with pytest.raises(ValueError, match="at least 1"):
-        torchrun_command("gpukit.parallel", nproc=0)
+        torchrun_command("gpukit.lessons.parallel", nproc=0)
 
 
 def test_cpu_uses_gloo():
@@ -225,7 +225,7 @@ def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
-        launch("gpukit.parallel", "ddp", nproc=bad)
+        launch("gpukit.lessons.parallel", "ddp", nproc=bad)
 
 
 def test_a_rank_ends_right_after_its_process_group_and_not_through_interpreter_teardown(tmp_path):

@@ -1,7 +1,7 @@
 """Data parallelism and sharding, measured on every rank: the code notebook 08 runs with torchrun.
 
-    python -m torch.distributed.run --nproc-per-node=2 -m gpukit.parallel ddp fsdp     # or, in Python:
-    gpukit.distributed.launch("gpukit.parallel", "ddp", "fsdp", nproc=2).frame()
+    python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.parallel ddp fsdp     # or, in Python:
+    gpukit.distributed.launch("gpukit.lessons.parallel", "ddp", "fsdp", nproc=2).frame()
 
 Each experiment builds the same MLP on every rank (same seed), trains two steps on the
 rank's share of one global batch of digits (``DistributedSampler``), measures it all and
@@ -216,7 +216,7 @@ def fsdp_shard_bytes(model: nn.Module, world_size: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gpukit.parallel", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gpukit.lessons.parallel", description=__doc__.split("\n\n")[0])
     parser.add_argument("experiments", nargs="+", choices=EXPERIMENTS, metavar="EXPERIMENT",
                         help=f"one or more of: {', '.join(EXPERIMENTS)}")
     parser.add_argument("--batch", type=int, default=1024, help="global batch size (default 1024)")

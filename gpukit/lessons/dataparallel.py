@@ -24,7 +24,7 @@ from torch import nn
 
 import gpukit
 from gpukit.counter import round_up
-from gpukit.parallel import state_bytes
+from gpukit.lessons.parallel import state_bytes
 
 ROLES = ("parameters", "gradients", "optimizer_state", "batch", "activations", "gathered_outputs")
 
