@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 RESULTS_ENV = "GPUKIT_RANK_RESULTS"
+STOP_GRACE_S = 15.0  # after SIGTERM, how long torchrun may take to stop its ranks before everything is killed
 
 
 class RankFailed(RuntimeError):
@@ -163,7 +164,7 @@ def _stop(proc: subprocess.Popen, out: Path) -> None:
     """SIGTERM torchrun (its agent then stops the ranks), SIGKILL what remains after a grace period."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
+        proc.wait(timeout=STOP_GRACE_S)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     _kill_ranks(out)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import gpukit.distributed
+
 from gpukit.lessons import dataparallel
 from gpukit.distributed import (RankFailed, alive, choose_backend, launch, publish, rank_environment,
                                 torchrun_command)
@@ -42,8 +44,14 @@ def processes_running(script: Path) -> list[int]:
     return found
 
 
-def test_each_rank_publishes_records_and_tensors(tmp_path):
+def test_each_rank_publishes_records_and_tensors_and_ends_without_interpreter_teardown(tmp_path):
+    # Interpreter teardown (atexit handlers, finalization, C++ static destructors) racing the threads a
+    # process group started is what aborted ranks at exit ("terminate called without an active exception").
+    # A rank started by run_rank exits once its work is done and its process group destroyed: teardown never
+    # runs, so the abort planted there cannot fire.
     script = rank_script(tmp_path, """
+        import atexit
+        atexit.register(os.abort)
         total = torch.tensor([float(ctx.rank + 1)])
         dist.all_reduce(total)
         publish({"sum": total.item(), "backend": ctx.backend, "world": ctx.world_size,
@@ -63,6 +71,7 @@ def test_each_rank_publishes_records_and_tensors(tmp_path):
     assert torch.equal(results.tensors[1, "mine"]["r"], torch.ones(2))
     assert torch.equal(results.tensors[0, "mine"]["r"], torch.zeros(2))
     assert results.seconds > 0
+    assert "Signal 6" not in results.log and "SIGABRT" not in results.log
     assert processes_running(script) == []
 
 
@@ -205,7 +214,8 @@ def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     assert processes_running(script) == []
 
 
-def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(tmp_path):
+def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpukit.distributed, "STOP_GRACE_S", 2.0)  # the ranks ignore SIGTERM: no need to wait long
     # Each rank (in a session of its own, as torchrun starts them) ignores SIGTERM, starts a child in yet
     # another session that does the same, and hangs without ever calling run_rank: launch knows no pid
     # of theirs, and torchrun cannot stop them.
@@ -226,20 +236,3 @@ def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
         launch("gpukit.lessons.parallel", "ddp", nproc=bad)
-
-
-def test_a_rank_ends_right_after_its_process_group_and_not_through_interpreter_teardown(tmp_path):
-    # Interpreter teardown (atexit handlers, finalization, C++ static destructors) racing the threads a
-    # process group started is what aborted ranks at exit ("terminate called without an active exception").
-    # A rank started by run_rank exits once its work is done and its process group destroyed: teardown never
-    # runs, so an abort planted there cannot fire.
-    script = rank_script(tmp_path, """
-        import atexit
-        atexit.register(os.abort)
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        publish({"sum": total.item(), "group_up": dist.is_initialized()})
-        """)
-    results = launch(script, tmp_path, nproc=2, timeout=120)
-    assert sorted(results.frame()["sum"]) == [2.0, 2.0]
-    assert "Signal 6" not in results.log and "SIGABRT" not in results.log
