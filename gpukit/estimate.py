@@ -163,10 +163,22 @@ def predict(make_model: Callable[[], nn.Module],
         RuntimeError: from the step, when it does something fake tensors cannot
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
-    t0 = time.perf_counter()
     kind = torch.device(device).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
+    # Garbage fake tensors (of an earlier prediction, say) would be placed in the simulated device when it
+    # attaches and stay in its reserved memory as cache: the collector runs first where fake storages live
+    # on. A prediction frees its own garbage before it returns, so after one there are usually none.
+    FAKE_LEDGER.settle()
+    with _gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
+        prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
+                              collect_young)
+        collect_young()
+    return prediction
+
+
+def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind, collect_young):
+    t0 = time.perf_counter()
     rules = CudaRules() if kind == "cuda" else contextlib.nullcontext()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
@@ -193,18 +205,18 @@ def predict(make_model: Callable[[], nn.Module],
         elif any(not p.requires_grad for p in model.parameters()):
             roles = _NoRoles()  # MemTracker hooks every parameter's gradient, and a frozen one refuses the hook
         before, before_unrounded = state_bytes(model, optimizer, batch)
-        with _quiet_gc():
-            tally = FAKE_LEDGER.start()
-            watch = simulated.watch()
+        collect_young()  # what the warm-up left is freed before the step, not inside it
+        tally = FAKE_LEDGER.start()
+        watch = simulated.watch()
+        try:
+            roles.start(plain_tensors_only=True)
             try:
-                roles.start(plain_tensors_only=True)
-                try:
-                    step(model, optimizer, batch)
-                finally:
-                    roles.stop()
+                step(model, optimizer, batch)
             finally:
-                FAKE_LEDGER.stop(tally)
-                reserved_peak = simulated.unwatch(watch)
+                roles.stop()
+        finally:
+            FAKE_LEDGER.stop(tally)
+            reserved_peak = simulated.unwatch(watch)
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
     workspaces, unverified = 0, dict(check.unverified)
@@ -310,6 +322,37 @@ class _NoRoles:
 
     def module_stats(self) -> dict:
         return {}
+
+
+@contextlib.contextmanager
+def _gc_paused(full: bool = True):
+    """Collect garbage (unless ``full`` is false), then keep the collector still until the end.
+
+    Yields ``collect_young()``, which frees what became garbage since the pause began as a full
+    collection would, at the cost of a young one: while the collector is still, what is made stays in the
+    youngest generation, and only a collection moves it up (this one's own, or one someone ran anyway:
+    each is followed, and the generations it filled are collected too).
+    """
+    if full:
+        gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    runs = [g["collections"] for g in gc.get_stats()]
+    filled = [0]  # the oldest generation that may hold objects made during the pause
+
+    def collect_young() -> None:
+        since = [g["collections"] for g in gc.get_stats()]
+        foreign = max((gen for gen in range(3) if since[gen] != runs[gen]), default=-1)
+        gen = min(max(filled[0], foreign + 1), 2)
+        gc.collect(gen)
+        filled[0] = min(gen + 1, 2)  # the survivors moved up a generation
+        runs[:] = [g["collections"] for g in gc.get_stats()]
+
+    try:
+        yield collect_young
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -576,7 +576,6 @@ class _Search:
         key = (c.optimizer, "half" if c.precision == "half" else "float32")
         if key not in self.floors:
             info: dict = {}
-            gc.collect()  # garbage fake tensors would be placed in the simulated allocator first (see evaluate)
             p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0], lambda: (),
                         step=_optimizer_only(info), device=self.device)
             self.predictions += 1
@@ -609,9 +608,6 @@ class _Search:
         proxy_k = 1 if c.accumulate == 1 else 2
         n = micro * proxy_k
         copies = [0]
-        # Fake tensors of earlier predictions that only the collector frees would otherwise be placed in the
-        # simulated allocator when it attaches, and stay in its reserved memory as cache.
-        gc.collect()
         p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size), step=_step_for(c, proxy_k, copies),
                     device=self.device)
@@ -847,14 +843,22 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     Raises:
         torch.OutOfMemoryError: the step did not fit ``limit``.
     """
-    from .budget import budget as memory_budget
-    from .estimate import _quiet_gc, state_bytes
-    from .meter import measure, resolve_device
+    from .estimate import _gc_paused
+    from .meter import resolve_device
 
     dev = resolve_device(device)
     if candidate.strategy != "single GPU":
         raise ValueError(f"{candidate.strategy} needs several processes: run it with torchrun")
-    gc.collect()
+    with _gc_paused() as collect_young:  # one full collection; what the build and warm-up leave goes before the step
+        return _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps,
+                              collect_young)
+
+
+def _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps, collect_young):
+    from .budget import budget as memory_budget
+    from .estimate import state_bytes
+    from .meter import measure
+
     other = 0
     if dev.type == "cpu":
         with measure(dev, record=False) as r:
@@ -877,7 +881,8 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
 
     step()  # warm-up: gradients and optimizer state exist
     cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
-    with _quiet_gc(), measure(dev, record=False) as report, cap:
+    collect_young()
+    with measure(dev, record=False) as report, cap:
         step()
     peak = state_bytes(model, optimizer, batch)[0] + report.peak
     seconds = None
