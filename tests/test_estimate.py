@@ -149,6 +149,43 @@ def test_a_dropped_prediction_leaves_no_fake_storage_behind_and_reserved_memory_
     assert len(set(reserved)) == 1 and reserved[0] > 0, reserved
 
 
+def test_garbage_the_warm_up_leaves_is_freed_before_the_step_even_after_a_collection_inside_it():
+    """Device: a simulated GPU fed by fake tensors. A prediction keeps the collector still and frees what
+    the warm-up left with a young collection; a collection someone runs in the middle (here the step itself)
+    moves the warm-up's objects to an older generation, and that generation must be collected too. Left in
+    place, a 16 MiB cycle of the warm-up would keep its block in the simulated allocator through the step."""
+    from gpukit.counter import FAKE_LEDGER
+
+    held = []
+
+    def step(collect_inside):
+        def run(model, optimizer, batch):
+            default_step(model, optimizer, batch)
+            junk = [torch.zeros(4 * 2**20)]        # 16 MiB that only the collector can free: a cycle
+            junk.append(junk)
+            held.append(junk)
+            if collect_inside:
+                gc.collect(0)
+                gc.collect(1)                       # the cycle, still reachable, moves to the oldest generation
+            held.clear()
+        return run
+
+    def cyclic_model():
+        model = MLP(width=64)
+        model.cycle = [model]                       # its fake parameters too are freed only by the collector
+        return model
+
+    make = (cyclic_model, lambda q: torch.optim.SGD(q, lr=0.1), image_batch)
+    quiet = predict(*make, step=step(False), device="cuda")
+    # Before it returns, a prediction frees all its garbage (its model too): the next one need not collect.
+    FAKE_LEDGER.settle()
+    assert [n for n in FAKE_LEDGER.sizes.values() if n > 0] == []
+    collected = predict(*make, step=step(True), device="cuda")
+    assert quiet.step_peak == collected.step_peak >= 16 * 2**20
+    assert quiet.reserved_peak == collected.reserved_peak
+    assert gc.isenabled()
+
+
 def test_a_real_graph_saved_through_hooks_does_not_change_a_prediction():
     """Device: cpu (a real graph alive) and fake tensors. Reading a saved tensor runs its unpack hook and a detach;
     under the prediction's fake mode that once turned the real graph's saved tensors into fake ones, which the
