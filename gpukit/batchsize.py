@@ -17,7 +17,6 @@ raises ``torch.OutOfMemoryError`` is a failure and leaves nothing behind.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,7 +25,7 @@ import torch
 
 from ._torch import tree_map_only
 from .budget import budget
-from .estimate import default_step, predict, state_bytes
+from .estimate import _gc_paused, default_step, predict, state_bytes
 from .meter import measure, resolve_device
 from .report import parse_bytes
 
@@ -90,17 +89,20 @@ class Trainer:
     def fits(self, b: int, limit: int | None = None) -> bool:
         """Run one real step of batch ``b`` under the budget: did it fit?"""
         ok = True
-        try:
-            with budget(self.limit if limit is None else limit, self.device):
-                self.step(self.model, self.optimizer, self._batch(b))
-        except torch.OutOfMemoryError:
-            ok = False
-        # Outside the except block: the failed step's tensors went with its traceback.
-        # Every trial starts from the same steady state: all gradients allocated.
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        gc.collect()
+        # The collector keeps still during the trial (no garbage of before is freed inside the step), and what
+        # the trial leaves (a failed step's tensors, held in cycles by its traceback) is all young after it.
+        with _gc_paused(full=False) as collect_young:
+            try:
+                with budget(self.limit if limit is None else limit, self.device):
+                    self.step(self.model, self.optimizer, self._batch(b))
+            except torch.OutOfMemoryError:
+                ok = False
+            # Outside the except block: the failed step's tensors went with its traceback.
+            # Every trial starts from the same steady state: all gradients allocated.
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            collect_young()
         return ok
 
     def other_bytes(self) -> int:
