@@ -3,7 +3,7 @@
 In a notebook::
 
     from gpukit.distributed import launch
-    results = launch("gpukit.lessons.parallel", "ddp", nproc=2)   # torchrun --nproc-per-node=2 -m gpukit.lessons.parallel ddp
+    results = launch("ranks/ddp.py", "ddp", nproc=2)   # torchrun --nproc-per-node=2 ranks/ddp.py ddp
     results.frame()                                       # one row per record a rank published
 
 In the rank's code (a module or a script run by ``launch``)::
@@ -95,7 +95,7 @@ def _free_port() -> int:
 def torchrun_command(target: str | os.PathLike, args=(), nproc: int = 2, port: int | None = None) -> list[str]:
     """The ``torchrun`` command line ``launch`` runs: one node, ``nproc`` ranks, rendezvous on 127.0.0.1.
 
-    ``target`` is a module name (``'gpukit.lessons.parallel'``) or the path of a ``.py`` script.
+    ``target`` is the path of a ``.py`` script (``'ranks/ddp.py'``) or a module name (``'mypkg.ranks'``).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
@@ -112,7 +112,7 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
     """Run ``target`` on ``nproc`` ranks with torchrun and gather what the ranks published.
 
     Args:
-        target: a module (``'gpukit.lessons.parallel'``) or a script path; it should call ``run_rank``.
+        target: a script path (``'ranks/ddp.py'``) or a module (``'mypkg.ranks'``); it should call ``run_rank``.
         args: command-line arguments for the target.
         nproc: number of ranks (processes) on this machine.
         timeout: seconds the whole run may take; then every rank is stopped.

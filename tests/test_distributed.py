@@ -15,6 +15,8 @@ from gpukit.distributed import (RankFailed, alive, choose_backend, launch, publi
                                 torchrun_command)
 from gpukit.lessons.parallel import fsdp_shard_bytes, make_model, model_state_formulas
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def rank_script(tmp_path: Path, body: str) -> Path:
     """A script whose ranks write their pid into tmp_path (so the test can look for leftovers), then run ``body``."""
@@ -168,6 +170,21 @@ def test_even_shares_are_torch_chunk_sizes():
         assert sum(dataparallel.even_shares(batch, n)) == batch
 
 
+def test_the_articles_balanced_split_gives_device_0_its_share_and_falls_back_to_the_even_split_silently():
+    # No tensors: BalancedDataParallel.scatter's arithmetic, as the source article writes it.
+    chunks = dataparallel.article_chunk_sizes
+    assert chunks(1024, 400, 2) == [400, 624]
+    assert chunks(10, 1, 4) == [1, 3, 3, 3]
+    assert chunks(11, 1, 4) == [1, 4, 3, 3]              # the remainder, one sample each from device 1 on
+    assert chunks(10, 0, 3) == [0, 5, 5]                 # device 0 left out
+    for asked in (512, 600, 1024):                       # not below the others' share: DataParallel's split
+        assert chunks(1024, asked, 2) == dataparallel.even_shares(1024, 2)
+    assert chunks(7, 2, 3) == dataparallel.even_shares(7, 3) == [3, 3, 1]
+    for batch, asked, devices in [(10, 11, 2), (10, -1, 2), (10, 1, 1)]:
+        with pytest.raises(ValueError):
+            chunks(batch, asked, devices)
+
+
 def test_dataparallel_device_0_holds_more_and_balancing_evens_it_out():
     from gpukit.lessons.data import digits_batch
 
@@ -235,4 +252,4 @@ def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
-        launch("gpukit.lessons.parallel", "ddp", nproc=bad)
+        launch(ROOT / "notebooks" / "ranks" / "ddp.py", "ddp", nproc=bad)

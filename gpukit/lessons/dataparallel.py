@@ -35,6 +35,31 @@ def even_shares(batch: int, n_devices: int) -> list[int]:
     return [min(size, max(0, batch - i * size)) for i in range(n_devices)]
 
 
+def article_chunk_sizes(batch: int, gpu0_bsz: int, n_devices: int) -> list[int]:
+    """The chunks the source article's ``BalancedDataParallel(gpu0_bsz, model)`` scatters a batch into.
+
+    As its ``scatter`` computes them: device 0 gets ``gpu0_bsz`` samples; the others an even share of
+    the rest, ``(batch - gpu0_bsz) // (n_devices - 1)``, and the remainder one sample each from device 1
+    on. Unless ``gpu0_bsz`` is below that share: then it falls back, without a word, to
+    ``nn.DataParallel``'s own split (``even_shares``). With ``gpu0_bsz == 0`` device 0 gets nothing (the
+    article then leaves it out of the scatter; its chunk is kept here as 0).
+
+    Raises:
+        ValueError: for fewer than two devices, or a ``gpu0_bsz`` outside 0..batch.
+    """
+    if n_devices < 2:
+        raise ValueError(f"a balanced split needs two or more devices, not {n_devices}")
+    if not 0 <= gpu0_bsz <= batch:
+        raise ValueError(f"gpu0_bsz must be between 0 and the batch ({batch}), not {gpu0_bsz}")
+    unit = (batch - gpu0_bsz) // (n_devices - 1)
+    if gpu0_bsz >= unit:
+        return even_shares(batch, n_devices)
+    sizes = [gpu0_bsz] + [unit] * (n_devices - 1)
+    for i in range(batch - sum(sizes)):
+        sizes[i + 1] += 1
+    return sizes
+
+
 class _Pieces:
     """The measured pieces of one model's ``nn.DataParallel`` step; activations measured once per share."""
 

@@ -1,0 +1,65 @@
+"""ZeRO-1, measured on every rank: DistributedDataParallel with ZeroRedundancyOptimizer, which keeps on each
+rank the optimizer state of its share of the parameters. Notebook 08 runs it with torchrun:
+
+    python -m torch.distributed.run --nproc-per-node=2 ranks/zero1.py
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import gpukit
+from gpukit.distributed import publish, run_rank
+from gpukit.lessons.data import digits_batch
+from gpukit.lessons.parallel import make_model, rank_record
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
+parser.add_argument("--width", type=int, default=512)
+parser.add_argument("--depth", type=int, default=4)
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+
+def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the process group is up
+    if args.batch % ctx.world_size:
+        raise ValueError(f"the global batch ({args.batch}) must divide evenly among {ctx.world_size} ranks")
+    data = TensorDataset(*digits_batch(args.batch))
+    sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    x, y = next(iter(DataLoader(data, batch_size=args.batch // ctx.world_size, sampler=sampler)))
+    x, y = x.to(ctx.device), y.to(ctx.device)
+    gpukit.warm_up(ctx.device)
+
+    with gpukit.measure(ctx.device, record=False) as whole:
+        model = make_model(args.width, args.depth, args.seed, ctx.device)
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        # Each rank keeps Adam's state for some whole parameter tensors, steps those, and broadcasts them.
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+
+        def train_step():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+
+        first_loss = train_step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        with gpukit.measure(ctx.device, record=False) as step:
+            train_step()
+        seconds = time.perf_counter() - start
+    publish(rank_record("zero1", ctx, model, optimizer, whole, step, first_loss, seconds, len(x)))
+    del model, optimizer
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    run_rank(main)
