@@ -104,7 +104,9 @@ def test_a_run_past_its_time_limit_is_stopped_and_leaves_no_process(tmp_path):
     with pytest.raises(TimeoutError, match="ran past 20 s"):
         launch(script, tmp_path, nproc=2, timeout=20)
     assert time.monotonic() - start < 20 + 45
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    # On a loaded machine (a fresh environment compiling every module it imports, say) a rank may not be up
+    # within the 20 s: then torchrun and the half-started rank are what must be stopped.
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     assert not any(alive(pid) for pid in pids)
     assert processes_running(script) == []
 
