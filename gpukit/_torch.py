@@ -7,7 +7,8 @@ with MemTracker: none of that has a public API. This module is the only one that
 the versions in ``CHECKED`` and the unit tests pass on them (README, "Which torch"). On a torch outside that
 range gpukit refuses to start with an error that says so, rather than give a wrong number; set
 ``GPUKIT_UNCHECKED_TORCH=1`` to try anyway. A name that has gone or changed shape raises
-``UnsupportedTorch`` naming it, at import, not a wrong figure later.
+``UnsupportedTorch`` naming it, at import (MemTracker's and ModTracker's, which take 1.5 s to import, when
+gpukit first tags memory by role), not a wrong figure later.
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ check_version()
 # --- the dispatcher: counting modes, fake tensors, pytrees ------------------------------------------------
 try:
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
-    from torch.distributed._tools import mod_tracker as _mod_tracker_module
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
-    from torch.distributed._tools.mod_tracker import ModTracker
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 except ImportError as err:  # a module moved or a name went away
@@ -86,160 +84,185 @@ def in_backward() -> bool:
     return _current_graph_task_id() != -1
 
 
-# MemTracker's and ModTracker's methods that the trackers below override or call, and the module global that
-# ModTracker registers its autograd hooks through: their signatures are part of what was checked.
-for _owner, _name, _params in (
-        (MemTracker, "_pre_fw_hook", ("self", "module", "inputs")),
-        (MemTracker, "_update_peak_stats", ("self", "peak_state")),
-        (MemTracker, "_track", ("self", "reftype", "t")),
-        (MemTracker, "reset_mod_stats", ("self",)),
-        (ModTracker, "_fw_pre_hook", ("self", "mod", "input")),
-        (ModTracker, "_fw_post_hook", ("self", "mod", "input", "output")),
-        (_mod_tracker_module, "register_multi_grad_hook", ("tensors", "fn", "mode"))):
-    _found = tuple(inspect.signature(_require(_owner, _name, _owner.__name__)).parameters)
-    if _found != _params:
-        raise UnsupportedTorch(f"torch {torch.__version__}: {_owner.__name__}.{_name}{_found} is not the "
-                               f"{_owner.__name__}.{_name}{_params} gpukit was checked with")
-del _owner, _name, _params, _found
+def _load_trackers() -> None:
+    """Import MemTracker and ModTracker (torch.distributed._tools, which imports DTensor and dynamo: about
+    1.5 s), check the names gpukit relies on, and define the trackers below; on first use of one of them.
 
-
-# --- module trackers that let go of what they tracked --------------------------------------------------------
-# ModTracker (torch/distributed/_tools/mod_tracker.py) registers an autograd hook on every module's inputs in
-# its forward pre-hook, to see the module's backward end, and drops the handle. In register_multi_grad_hook's
-# "all" mode (torch/autograd/graph.py) the hook's closure keeps the inputs' grad_fns, and the hook is stored
-# on those same grad_fns: a cycle through C++ that Python's garbage collector cannot see. The graph node of
-# every module input (a hidden layer's activation) then outlives the step, and with it every tensor the node
-# reaches: the parameters and gradients of the layers before it, run after run. The trackers below keep the
-# handles of the hooks they register and remove them all on exit, which breaks the cycle.
-_registering = threading.local()
-_register_multi_grad_hook = _mod_tracker_module.register_multi_grad_hook
-
-
-def _register_multi_grad_hook_kept(tensors, fn, *, mode="all"):
-    handle = _register_multi_grad_hook(tensors, fn, mode=mode)
-    kept = getattr(_registering, "kept", None)
-    if kept is not None:
-        kept.append(handle)
-    return handle
-
-
-# Only ModTracker's module reads this name; its hooks keep the handle only on the thread of a tracker below.
-_mod_tracker_module.register_multi_grad_hook = _register_multi_grad_hook_kept
-
-
-class ModTrackerThatLetsGo(ModTracker):
-    """PyTorch's ModTracker, whose autograd hooks (and the graph nodes they hold) go when it exits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._hook_handles: list = []
-
-    def _keeping(self, hook, *args) -> None:
-        outer = getattr(_registering, "kept", None)
-        _registering.kept = self._hook_handles
-        try:
-            hook(*args)
-        finally:
-            _registering.kept = outer
-
-    def _fw_pre_hook(self, mod, input):
-        self._keeping(super()._fw_pre_hook, mod, input)
-
-    def _fw_post_hook(self, mod, input, output):
-        self._keeping(super()._fw_post_hook, mod, input, output)
-
-    def __exit__(self, *args):
-        try:
-            return super().__exit__(*args)
-        finally:
-            self.remove_hooks()
-
-    def remove_hooks(self) -> None:
-        handles, self._hook_handles[:] = list(self._hook_handles), []
-        for handle in handles:
-            handle.remove()
-
-
-class MemTrackerThatLetsGo(MemTracker):
-    """PyTorch's MemTracker with a ModTracker that lets go (above)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = ModTrackerThatLetsGo()
-
-
-class StepTracker(MemTrackerThatLetsGo):
-    """MemTracker that accepts the model being run several times in one block (gpukit.roles).
-
-    MemTracker refuses a second forward of the root module (it keeps per-module
-    statistics for one iteration); gradient accumulation does exactly that. gpukit
-    reads only the totals by role, so the per-module statistics are reset instead.
+    Raises:
+        UnsupportedTorch: a name that has gone or changed shape.
     """
+    global _TOTAL_KEY, MemTracker, _MemRefType, _ModState, ModTracker, _mod_tracker_module
+    global _registering, _register_multi_grad_hook, ModTrackerThatLetsGo, MemTrackerThatLetsGo, StepTracker
+    try:
+        from torch.distributed._tools import mod_tracker as _mod_tracker_module
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except ImportError as err:
+        raise UnsupportedTorch(f"torch {torch.__version__}: {err}; gpukit was checked on torch "
+                               f"{CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]}") from err
 
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            name = self._mod_tracker.get_known_fqn(module)
-            if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
-        stats = self.memory_tracking.get(module)
-        if stats is not None:
-            by_fqn = self.__dict__.setdefault("_stats_by_fqn", {})
-            entries = by_fqn.setdefault(stats.mod_fqn, [])
-            if all(s is not stats for s in entries):
-                entries.append(stats)
+    # MemTracker's and ModTracker's methods that the trackers below override or call, and the module global that
+    # ModTracker registers its autograd hooks through: their signatures are part of what was checked.
+    for _owner, _name, _params in (
+            (MemTracker, "_pre_fw_hook", ("self", "module", "inputs")),
+            (MemTracker, "_update_peak_stats", ("self", "peak_state")),
+            (MemTracker, "_track", ("self", "reftype", "t")),
+            (MemTracker, "reset_mod_stats", ("self",)),
+            (ModTracker, "_fw_pre_hook", ("self", "mod", "input")),
+            (ModTracker, "_fw_post_hook", ("self", "mod", "input", "output")),
+            (_mod_tracker_module, "register_multi_grad_hook", ("tensors", "fn", "mode"))):
+        _found = tuple(inspect.signature(_require(_owner, _name, _owner.__name__)).parameters)
+        if _found != _params:
+            raise UnsupportedTorch(f"torch {torch.__version__}: {_owner.__name__}.{_name}{_found} is not the "
+                                   f"{_owner.__name__}.{_name}{_params} gpukit was checked with")
+    del _owner, _name, _params, _found
 
-    # Set by predictions, whose steps hold no DTensor and no nested fake mode: after every op MemTracker
-    # then needs neither its search for the active fake mode nor a pytree walk of the outputs (a third of
-    # a 6.7-billion-parameter GPT's prediction went there).
-    plain_tensors_only = False
+    # --- module trackers that let go of what they tracked --------------------------------------------------------
+    # ModTracker (torch/distributed/_tools/mod_tracker.py) registers an autograd hook on every module's inputs in
+    # its forward pre-hook, to see the module's backward end, and drops the handle. In register_multi_grad_hook's
+    # "all" mode (torch/autograd/graph.py) the hook's closure keeps the inputs' grad_fns, and the hook is stored
+    # on those same grad_fns: a cycle through C++ that Python's garbage collector cannot see. The graph node of
+    # every module input (a hidden layer's activation) then outlives the step, and with it every tensor the node
+    # reaches: the parameters and gradients of the layers before it, run after run. The trackers below keep the
+    # handles of the hooks they register and remove them all on exit, which breaks the cycle.
+    _registering = threading.local()
+    _register_multi_grad_hook = _mod_tracker_module.register_multi_grad_hook
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.plain_tensors_only or not hasattr(self, "_fake_mode_on_entry"):
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        res = func(*args, **(kwargs or {}))
-        if self._in_opt:
-            reftype = _MemRefType.OPT
-        elif self._mod_tracker.is_bw and not self._in_ac:
-            reftype = _MemRefType.TEMP
-        else:
-            reftype = _MemRefType.ACT
-        if isinstance(res, torch.Tensor):
-            self._track(reftype, res)
-        elif isinstance(res, (tuple, list)):
-            for r in res:
-                if isinstance(r, torch.Tensor):
-                    self._track(reftype, r)
-                elif isinstance(r, (tuple, list)):
-                    tree_map_only(torch.Tensor, partial(self._track, reftype), r)
-        self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-        return res
+    def _register_multi_grad_hook_kept(tensors, fn, *, mode="all"):
+        handle = _register_multi_grad_hook(tensors, fn, mode=mode)
+        kept = getattr(_registering, "kept", None)
+        if kept is not None:
+            kept.append(handle)
+        return handle
 
-    def reset_mod_stats(self) -> None:
-        super().reset_mod_stats()
-        self._stats_by_fqn = {}
+    # Only ModTracker's module reads this name; its hooks keep the handle only on the thread of a tracker below.
+    _mod_tracker_module.register_multi_grad_hook = _register_multi_grad_hook_kept
 
-    def _update_peak_stats(self, peak_state) -> None:
-        """MemTracker's own update, visiting only the modules now running.
+    class ModTrackerThatLetsGo(ModTracker):
+        """PyTorch's ModTracker, whose autograd hooks (and the graph nodes they hold) go when it exits."""
 
-        MemTracker walks the statistics of every module it has seen after every op, which
-        made a 6.7-billion-parameter GPT's prediction spend 28 of its 42 s here; only the
-        modules in ``parents`` can change, so the result is the same. A snapshot maps names
-        to integers, so a dict copy is the deep copy MemTracker makes.
+        def __init__(self) -> None:
+            super().__init__()
+            self._hook_handles: list = []
+
+        def _keeping(self, hook, *args) -> None:
+            outer = getattr(_registering, "kept", None)
+            _registering.kept = self._hook_handles
+            try:
+                hook(*args)
+            finally:
+                _registering.kept = outer
+
+        def _fw_pre_hook(self, mod, input):
+            self._keeping(super()._fw_pre_hook, mod, input)
+
+        def _fw_post_hook(self, mod, input, output):
+            self._keeping(super()._fw_post_hook, mod, input, output)
+
+        def __exit__(self, *args):
+            try:
+                return super().__exit__(*args)
+            finally:
+                self.remove_hooks()
+
+        def remove_hooks(self) -> None:
+            handles, self._hook_handles[:] = list(self._hook_handles), []
+            for handle in handles:
+                handle.remove()
+
+    class MemTrackerThatLetsGo(MemTracker):
+        """PyTorch's MemTracker with a ModTracker that lets go (above)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = ModTrackerThatLetsGo()
+
+    class StepTracker(MemTrackerThatLetsGo):
+        """MemTracker that accepts the model being run several times in one block (gpukit.roles).
+
+        MemTracker refuses a second forward of the root module (it keeps per-module
+        statistics for one iteration); gradient accumulation does exactly that. gpukit
+        reads only the totals by role, so the per-module statistics are reset instead.
         """
-        curr_snap = self._curr_mem_snap
-        by_fqn = self.__dict__.get("_stats_by_fqn", {})
-        for fqn in self._mod_tracker.parents:
-            for mod_stats in by_fqn.get(fqn, ()):
-                if peak_state in mod_stats.snapshots:
-                    for dev, dev_snap in curr_snap.items():
-                        if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                            mod_stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                            mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
-        for dev, dev_snap in curr_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(dev_snap)
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+            stats = self.memory_tracking.get(module)
+            if stats is not None:
+                by_fqn = self.__dict__.setdefault("_stats_by_fqn", {})
+                entries = by_fqn.setdefault(stats.mod_fqn, [])
+                if all(s is not stats for s in entries):
+                    entries.append(stats)
+
+        # Set by predictions, whose steps hold no DTensor and no nested fake mode: after every op MemTracker
+        # then needs neither its search for the active fake mode nor a pytree walk of the outputs (a third of
+        # a 6.7-billion-parameter GPT's prediction went there).
+        plain_tensors_only = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.plain_tensors_only or not hasattr(self, "_fake_mode_on_entry"):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            res = func(*args, **(kwargs or {}))
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            if isinstance(res, torch.Tensor):
+                self._track(reftype, res)
+            elif isinstance(res, (tuple, list)):
+                for r in res:
+                    if isinstance(r, torch.Tensor):
+                        self._track(reftype, r)
+                    elif isinstance(r, (tuple, list)):
+                        tree_map_only(torch.Tensor, partial(self._track, reftype), r)
+            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            return res
+
+        def reset_mod_stats(self) -> None:
+            super().reset_mod_stats()
+            self._stats_by_fqn = {}
+
+        def _update_peak_stats(self, peak_state) -> None:
+            """MemTracker's own update, visiting only the modules now running.
+
+            MemTracker walks the statistics of every module it has seen after every op, which
+            made a 6.7-billion-parameter GPT's prediction spend 28 of its 42 s here; only the
+            modules in ``parents`` can change, so the result is the same. A snapshot maps names
+            to integers, so a dict copy is the deep copy MemTracker makes.
+            """
+            curr_snap = self._curr_mem_snap
+            by_fqn = self.__dict__.get("_stats_by_fqn", {})
+            for fqn in self._mod_tracker.parents:
+                for mod_stats in by_fqn.get(fqn, ()):
+                    if peak_state in mod_stats.snapshots:
+                        for dev, dev_snap in curr_snap.items():
+                            if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                                mod_stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
+                                mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+            for dev, dev_snap in curr_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+
+_TRACKERS = ("MemTracker", "ModTracker", "ModTrackerThatLetsGo", "MemTrackerThatLetsGo", "StepTracker")
+_tracker_lock = threading.Lock()
+
+
+def __getattr__(name: str):
+    """The trackers are loaded when first asked for (``from gpukit._torch import StepTracker``)."""
+    if name in _TRACKERS:
+        with _tracker_lock:
+            if name not in globals():
+                _load_trackers()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- a GradScaler for fake tensors -------------------------------------------------------------------------

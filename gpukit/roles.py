@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._torch import MemTrackerThatLetsGo, StepTracker
+from . import _torch  # its trackers load on first use (they import torch.distributed._tools)
 
 # MemTracker's names -> gpukit's names (report.ROLES)
 _NAMES = {
@@ -42,11 +42,11 @@ class RoleTracker:
             raise ValueError("a role breakdown needs the model (and optimizer) the block trains")
         self.device = device
         self._tracked = [obj for obj in (model, optimizer) if obj is not None]
-        self._tracker: StepTracker | None = None
+        self._tracker = None
         self._end: dict[str, int] | None = None
 
     def start(self, plain_tensors_only: bool = False) -> None:
-        self._tracker = StepTracker()
+        self._tracker = _torch.StepTracker()
         self._tracker.plain_tensors_only = plain_tensors_only
         self._tracker.track_external(*self._tracked)
         self._tracker.__enter__()
@@ -93,7 +93,7 @@ def memtracker_peak(run: Callable[[], Any], *existing: Any, device: str | torch.
             frees inside it count (the model, its optimizer, the batch).
         device: whose memory to read.
     """
-    tracker = MemTrackerThatLetsGo()
+    tracker = _torch.MemTrackerThatLetsGo()
     tracker.track_external(*existing)
     dev = torch.device(device)
     start = tracker.get_tracker_snapshot()[dev]["Total"]

@@ -88,3 +88,18 @@ def test_in_backward_is_true_only_inside_autograd_backward():
     assert not _torch.in_backward()
     (x * 2).sum().backward()
     assert seen == [True]
+
+
+def test_importing_gpukit_leaves_memtracker_and_its_1_5_s_of_imports_until_roles_are_asked_for():
+    # No device: a fresh interpreter, so that nothing imported before counts.
+    import subprocess
+    import sys
+
+    code = ("import sys, gpukit\n"
+            "before = 'torch.distributed._tools.mem_tracker' in sys.modules\n"
+            "from gpukit import _torch\n"
+            "assert _torch.StepTracker.__mro__[2] is _torch.MemTracker\n"
+            "print(before, 'torch.distributed._tools.mem_tracker' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
