@@ -122,9 +122,13 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
         RankFailed: a rank raised (the first one's traceback is in the message).
         TimeoutError: the run took longer than ``timeout``.
         RuntimeError: torchrun failed without a rank saying why (its output is in the message).
+        FileNotFoundError: ``target`` names a script that is not there.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc is the number of ranks to start: a whole number, at least 1; got {nproc!r}")
+    if str(target).endswith(".py") and not Path(target).is_file():
+        raise FileNotFoundError(f"no script {str(target)!r} from {os.getcwd()} (a relative path starts from the "
+                                "current directory: the notebook's folder in Jupyter)")
     out = Path(tempfile.mkdtemp(prefix="gpukit-ranks-"))
     run_env = {**rank_environment(nproc), RESULTS_ENV: str(out), **(env or {})}
     log_path = out / "torchrun.log"

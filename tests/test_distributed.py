@@ -251,6 +251,12 @@ def test_ranks_that_ignore_sigterm_and_never_record_a_pid_do_not_outlive_launch(
     assert processes_running(script) == []
 
 
+def test_a_script_that_is_not_there_is_named_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no script 'ranks/ddp.py' from .*the notebook's folder"):
+        launch("ranks/ddp.py", "ddp", nproc=2)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
