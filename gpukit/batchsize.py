@@ -25,7 +25,8 @@ import torch
 
 from ._torch import tree_map_only
 from .budget import budget
-from .estimate import _gc_paused, default_step, predict, state_bytes
+from .counter import gc_paused
+from .estimate import default_step, predict, state_bytes
 from .meter import measure, resolve_device
 from .report import parse_bytes
 
@@ -91,7 +92,7 @@ class Trainer:
         ok = True
         # The collector keeps still during the trial (no garbage of before is freed inside the step), and what
         # the trial leaves (a failed step's tensors, held in cycles by its traceback) is all young after it.
-        with _gc_paused(full=False) as collect_young:
+        with gc_paused(full=False) as collect_young:
             try:
                 with budget(self.limit if limit is None else limit, self.device):
                     self.step(self.model, self.optimizer, self._batch(b))

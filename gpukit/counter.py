@@ -50,6 +50,7 @@ op, memory of non-strided (sparse) tensors, and storages reachable only from C++
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import gc
 import itertools
@@ -309,7 +310,6 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
     return found
 
 
-
 def _tensor_types() -> frozenset:
     """``torch.Tensor`` and every subclass of it that exists now (an object is a tensor when its type is one)."""
     kinds, todo = {torch.Tensor}, [torch.Tensor]
@@ -319,6 +319,40 @@ def _tensor_types() -> frozenset:
                 kinds.add(sub)
                 todo.append(sub)
     return frozenset(kinds)
+
+
+@contextlib.contextmanager
+def gc_paused(full: bool = True):
+    """Collect garbage (unless ``full`` is false), then keep the collector still until the end: garbage made
+    before (an earlier prediction's fake tensors, say) freed in the middle of a measured step would otherwise
+    count as the step's own frees.
+
+    Yields ``collect_young()``, which frees what became garbage since the pause began as a full
+    collection would, at the cost of a young one: while the collector is still, what is made stays in the
+    youngest generation, and only a collection moves it up (this one's own, or one someone ran anyway:
+    each is followed, and the generations it filled are collected too).
+    """
+    if full:
+        gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    runs = [g["collections"] for g in gc.get_stats()]
+    filled = [0]  # the oldest generation that may hold objects made during the pause
+
+    def collect_young() -> None:
+        since = [g["collections"] for g in gc.get_stats()]
+        foreign = max((gen for gen in range(3) if since[gen] != runs[gen]), default=-1)
+        gen = min(max(filled[0], foreign + 1), 2)
+        gc.collect(gen)
+        filled[0] = min(gen + 1, 2)  # the survivors moved up a generation
+        runs[:] = [g["collections"] for g in gc.get_stats()]
+
+    try:
+        yield collect_young
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 class Ledger:
     """Every live storage of one kind gpukit knows of, with its size.

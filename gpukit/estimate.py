@@ -20,7 +20,6 @@ CUDA's code paths (gpukit.cudarules).
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,7 +29,7 @@ from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
 from .allocator import follow
-from .counter import FAKE_LEDGER, round_up
+from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
@@ -170,7 +169,7 @@ def predict(make_model: Callable[[], nn.Module],
     # attaches and stay in its reserved memory as cache: the collector runs first where fake storages live
     # on. A prediction frees its own garbage before it returns, so after one there are usually none.
     FAKE_LEDGER.settle()
-    with _gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
+    with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
         prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
                               collect_young)
         collect_young()
@@ -303,7 +302,7 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
     for _ in range(warmup_steps):
         step(model, optimizer, batch)
-    with _quiet_gc(), measure(dev, record=False) as report:
+    with gc_paused(), measure(dev, record=False) as report:
         step(model, optimizer, batch)
     return state_bytes(model, optimizer, batch)[0] + report.peak
 
@@ -322,51 +321,6 @@ class _NoRoles:
 
     def module_stats(self) -> dict:
         return {}
-
-
-@contextlib.contextmanager
-def _gc_paused(full: bool = True):
-    """Collect garbage (unless ``full`` is false), then keep the collector still until the end.
-
-    Yields ``collect_young()``, which frees what became garbage since the pause began as a full
-    collection would, at the cost of a young one: while the collector is still, what is made stays in the
-    youngest generation, and only a collection moves it up (this one's own, or one someone ran anyway:
-    each is followed, and the generations it filled are collected too).
-    """
-    if full:
-        gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    runs = [g["collections"] for g in gc.get_stats()]
-    filled = [0]  # the oldest generation that may hold objects made during the pause
-
-    def collect_young() -> None:
-        since = [g["collections"] for g in gc.get_stats()]
-        foreign = max((gen for gen in range(3) if since[gen] != runs[gen]), default=-1)
-        gen = min(max(filled[0], foreign + 1), 2)
-        gc.collect(gen)
-        filled[0] = min(gen + 1, 2)  # the survivors moved up a generation
-        runs[:] = [g["collections"] for g in gc.get_stats()]
-
-    try:
-        yield collect_young
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def _quiet_gc():
-    """Collect garbage first, then keep the collector still: unrelated garbage (an earlier prediction's fake
-    tensors, say) freed in the middle of the step would otherwise count as the step's own frees."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _module_table(roles: RoleTracker, model: nn.Module, depth: int) -> list[dict]:

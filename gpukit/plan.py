@@ -39,7 +39,6 @@ device it ran on).
 from __future__ import annotations
 
 import contextlib
-import gc
 import heapq
 import html
 import inspect
@@ -843,47 +842,40 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     Raises:
         torch.OutOfMemoryError: the step did not fit ``limit``.
     """
-    from .estimate import _gc_paused
-    from .meter import resolve_device
+    from .budget import budget as memory_budget
+    from .counter import gc_paused
+    from .estimate import state_bytes
+    from .meter import measure, resolve_device
 
     dev = resolve_device(device)
     if candidate.strategy != "single GPU":
         raise ValueError(f"{candidate.strategy} needs several processes: run it with torchrun")
-    with _gc_paused() as collect_young:  # one full collection; what the build and warm-up leave goes before the step
-        return _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps,
-                              collect_young)
+    with gc_paused() as collect_young:  # one full collection; what the build and warm-up leave goes before the step
+        other = 0
+        if dev.type == "cpu":
+            with measure(dev, record=False) as r:
+                pass
+            other = r.live_end
+        torch.manual_seed(seed)
+        with dev:
+            model = _model_maker(make_model, candidate.precision, fake=False)()
+        model.to(dev)
+        optimizer = make_optimizer(model.parameters())
+        batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
+        technique = candidate.technique()
+        scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
+            else contextlib.nullcontext()
 
+        def step():
+            with offload:
+                train_step(model, optimizer, batch, technique, scaler)
 
-def _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps, collect_young):
-    from .budget import budget as memory_budget
-    from .estimate import state_bytes
-    from .meter import measure
-
-    other = 0
-    if dev.type == "cpu":
-        with measure(dev, record=False) as r:
-            pass
-        other = r.live_end
-    torch.manual_seed(seed)
-    with dev:
-        model = _model_maker(make_model, candidate.precision, fake=False)()
-    model.to(dev)
-    optimizer = make_optimizer(model.parameters())
-    batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
-    technique = candidate.technique()
-    scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
-        else contextlib.nullcontext()
-
-    def step():
-        with offload:
-            train_step(model, optimizer, batch, technique, scaler)
-
-    step()  # warm-up: gradients and optimizer state exist
-    cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
-    collect_young()
-    with measure(dev, record=False) as report, cap:
-        step()
+        step()  # warm-up: gradients and optimizer state exist
+        cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
+        collect_young()
+        with measure(dev, record=False) as report, cap:
+            step()
     peak = state_bytes(model, optimizer, batch)[0] + report.peak
     seconds = None
     if timed_steps:

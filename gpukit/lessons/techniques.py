@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .._torch import FakeTensorMode
-from ..estimate import _gc_paused
+from ..counter import gc_paused
 from ..meter import device_name, measure, resolve_device
 from ..step import BASELINE, Technique, half_with_float_batchnorm, train_step
 from ..warmup import warm_up
@@ -147,7 +147,7 @@ def measure_technique(setup: Setup, technique: Technique, device: str | torch.de
     warm_up(dev)  # on a GPU: cuBLAS's one-time workspaces are not the first technique's memory
     # The collector keeps still throughout (no garbage of before is freed inside a measured block); what the
     # run leaves is all young, and goes before the next technique's run.
-    with _gc_paused(full=False) as collect_young:
+    with gc_paused(full=False) as collect_young:
         row = _measure(setup, technique, dev, row, simulated, steps, max_seconds)
         collect_young()
     return row
