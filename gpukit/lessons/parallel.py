@@ -1,11 +1,11 @@
 """What the rank scripts of notebook 08 share: the model, and the record each rank publishes.
 
 The rank code itself (the process group, ``DistributedSampler``, the wrapper, the training step,
-``gpukit.measure`` around it) is in plain scripts beside the notebook, one per wrapper, each run by
-torchrun on every rank:
+``gpukit.measure`` around it) is in plain scripts beside the notebook, each run by torchrun on every
+rank:
 
-    notebooks/ranks/ddp.py     DistributedDataParallel, with and without gradient_as_bucket_view
-    notebooks/ranks/zero1.py   DistributedDataParallel with ZeroRedundancyOptimizer
+    notebooks/ranks/ddp.py     DistributedDataParallel, with and without gradient_as_bucket_view, and with
+                               ZeroRedundancyOptimizer (ZeRO-1)
     notebooks/ranks/fsdp.py    FSDP2 fully_shard: plain, MixedPrecisionPolicy (bf16), CPUOffloadPolicy
 
     gpukit.distributed.launch("ranks/ddp.py", "ddp", nproc=2).frame()      # from notebooks/

@@ -1,9 +1,10 @@
 """DistributedDataParallel, measured on every rank. Notebook 08 runs it with torchrun:
 
-    python -m torch.distributed.run --nproc-per-node=2 ranks/ddp.py ddp ddp-bucket-view
+    python -m torch.distributed.run --nproc-per-node=2 ranks/ddp.py ddp ddp-bucket-view zero1
 
 Variants: ``ddp`` (the gradients and DDP's buckets are two copies), ``ddp-bucket-view``
-(``gradient_as_bucket_view=True``: the gradients are views into the buckets).
+(``gradient_as_bucket_view=True``: the gradients are views into the buckets), ``zero1`` (ZeRO-1:
+``ZeroRedundancyOptimizer`` keeps on each rank the Adam state of its share of the parameters).
 """
 
 import argparse
@@ -12,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -22,7 +24,7 @@ from gpukit.lessons.data import digits_batch
 from gpukit.lessons.parallel import make_model, rank_record
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("variants", nargs="+", choices=["ddp", "ddp-bucket-view"])
+parser.add_argument("variants", nargs="+", choices=["ddp", "ddp-bucket-view", "zero1"])
 parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
 parser.add_argument("--width", type=int, default=512)
 parser.add_argument("--depth", type=int, default=4)
@@ -45,7 +47,10 @@ def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the pro
             model = make_model(args.width, args.depth, args.seed, ctx.device)  # the same weights on every rank
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                         gradient_as_bucket_view=variant == "ddp-bucket-view")
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            if variant == "zero1":  # each rank keeps Adam's state for some whole tensors, steps and broadcasts them
+                optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+            else:
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
             def train_step():
                 loss = F.cross_entropy(model(x), y)
