@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -186,7 +187,12 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
         # converts afresh: a new storage counted per use. Copies stay in this mode, as on a real device.
         fake_mode.__deepcopy__ = lambda memo: fake_mode
-        model = make_model()
+        with warnings.catch_warnings():
+            # Tensor.__deepcopy__ (torch/_tensor.py) asks a subclass for its data_ptr() to choose between
+            # clone() and a storage copy; a fake tensor answers with a warning that blames the user's code.
+            # It is torch's own question, and the copy is right (it clones), so the model's author never sees it.
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
+            model = make_model()
         optimizer = make_optimizer(model.parameters())
         if kind == "cuda":
             use_cuda_optimizer_defaults(optimizer)

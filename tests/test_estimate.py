@@ -1,6 +1,9 @@
 """Predictions under fake tensors: exact against real measured steps, and the rule of thumb's terms."""
 
 import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -246,3 +249,25 @@ def test_the_predicted_step_runs_the_optimizer_implementation_the_user_gets_on_c
     assert default.peak == for_loop.peak == measured_step_peak(make_model, lambda p: torch.optim.Adam(p), make_batch,
                                                                device="cpu")
     assert foreach.peak != default.peak
+
+
+def test_predicting_a_model_that_deep_copies_its_layers_warns_nothing_on_cpu():
+    """Tensor.__deepcopy__ asks a fake tensor for its data_ptr(), which warns (once per process) that the
+    user's code is "almost definitely" wrong; predict() builds the model, so the warning is its to silence.
+    In a fresh process, since the warning comes only once."""
+    code = textwrap.dedent("""
+        import warnings, torch
+        from gpukit.estimate import predict
+        def make_model():
+            layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        make_batch = lambda: (torch.randn(2, 3, 16, device="cpu"), torch.randn(2, 3, 16, device="cpu"))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            predict(make_model, lambda p: torch.optim.SGD(p, lr=0.1), make_batch,
+                    step=lambda m, o, b: torch.nn.functional.mse_loss(m(b[0]), b[1]).backward())
+        print("\\n".join(str(w.message) for w in seen))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "data pointer of FakeTensor" not in done.stdout + done.stderr
