@@ -62,6 +62,10 @@ can take the recorded ones instead (``address_source``).
 Driving it: ``CachingAllocator.malloc/free`` directly; ``SimulatedDevice`` fed by gpukit's counter
 (``measure()`` on CPU uses ``cpu_device()``; ``predict()`` runs under ``follow(FAKE_LEDGER)``);
 ``replay(load_snapshot(path))`` for a recorded ``torch.cuda.memory._dump_snapshot()`` pickle.
+A ``SimulatedDevice`` queues the counter's events and runs them when it is read; a training step that
+repeats from the state it leaves unchanged is run once and then applied from its record (the policy is
+deterministic: same state, same events, same outcome), so following a training loop costs a step next to
+nothing once it is steady (``python3 kit.py bench allocator``).
 
 Validated against PyTorch's own allocator tests and recorded traces: tests/test_allocator.py.
 """
@@ -70,6 +74,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import threading
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
@@ -451,6 +456,7 @@ class CachingAllocator:
         self.oversize_allocations = [0, 0, 0, 0]
         self.oversize_segments = [0, 0, 0, 0]
         self.trace: list[tuple] | None = [] if record_history else None
+        self.generation = 0  # bumped by every public call that can change the state (SimulatedDevice's memo)
         if fraction is not None:
             self.set_memory_fraction(fraction)
 
@@ -466,6 +472,7 @@ class CachingAllocator:
 
     def set_settings(self, config: str | AllocatorConfig) -> None:
         """``torch.cuda.memory._set_allocator_settings``: change the settings mid-run."""
+        self.generation += 1
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config, self.config)
         self._roundup = any(self.config.roundup_power2_divisions)
         if self.config.per_process_memory_fraction is not None:
@@ -556,6 +563,7 @@ class CachingAllocator:
         if size >= 1152921504606846976:
             self._oom_plain("CUDA out of memory. Tried to allocate more than 1EB memory.")
         orig_size = size
+        self.generation += 1
         if self.pending:
             self.process_events()
         if self._roundup:
@@ -967,6 +975,7 @@ class CachingAllocator:
     def record_stream(self, addr: int, stream: int) -> None:
         """``Tensor.record_stream``: the block is also used on ``stream``."""
         b = self._active_block(addr)
+        self.generation += 1
         if stream != b.stream:
             if b.stream_uses is None:
                 b.stream_uses = set()
@@ -985,6 +994,7 @@ class CachingAllocator:
             ValueError: for an address that is not allocated.
         """
         b = self._active_block(addr)
+        self.generation += 1
         b.allocated = False
         pool = b.pool
         p = _SMALL if pool.is_small else _LARGE
@@ -1059,6 +1069,7 @@ class CachingAllocator:
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize()``: blocks freed while other streams used them become free."""
+        self.generation += 1
         pending, self.pending = self.pending, []
         for b in pending:
             b.event_count = 0
@@ -1070,6 +1081,7 @@ class CachingAllocator:
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give every unsplit cached segment back to the driver."""
+        self.generation += 1
         self._release_cached_blocks()
 
     # -- out of memory -------------------------------------------------------------------------------------
@@ -1147,6 +1159,23 @@ class CachingAllocator:
                                        "garbage_collection_threshold": self.config.garbage_collection_threshold,
                                        "expandable_segments": self.config.expandable_segments}}
 
+    def state_key(self) -> tuple:
+        """Everything that decides what the allocator does next, as one comparable value: two states with
+        the same key answer every sequence of calls alike (statistics' running totals aside). Every block
+        (address, size, requested size, stream, neighbours, state), the free pools' order, the next new
+        segment's address, what the driver has handed out, and the settings."""
+        def block(b: Block) -> tuple:
+            return (b.addr, b.size, b.requested, b.stream, b.allocated, b.mapped, b.es is not None,
+                    None if b.prev is None else b.prev.addr, None if b.next is None else b.next.addr,
+                    b.event_count, None if not b.stream_uses else tuple(sorted(b.stream_uses)))
+        blocks = sorted(map(block, [*self.active.values(), *self.small.blocks.values(),
+                                    *self.large.blocks.values(), *self._unmapped_by_addr.values()]))
+        expandable = tuple((e.base, e.segment_size, e.max_handles, e.stream, tuple(e.handles))
+                           for e in self.expandable)
+        return (self._next_addr, self.total_allocated_memory, tuple(blocks), tuple(self.small.keys),
+                tuple(self.large.keys), tuple(self.small.unmapped), tuple(self.large.unmapped), expandable,
+                tuple(id(b) for b in self.pending), self.allowed_memory_maximum, repr(self.config))
+
     def fragmentation(self) -> int:
         """Reserved but unallocated bytes (what the OOM message calls so)."""
         return self.memory_reserved() - self.memory_allocated()
@@ -1178,6 +1207,7 @@ class CachingAllocator:
         Raises:
             ValueError: for blocks outside the segment or overlapping.
         """
+        self.generation += 1
         pool = self.small if small else self.large
         p = _SMALL if small else _LARGE
         pieces = []
@@ -1535,22 +1565,67 @@ class SimulatedDevice:
     Attach it to a ``gpukit.counter.Ledger`` (``attach``); storages the ledger already knows are
     placed first, in the order it learnt of them. ``measure()`` on a CPU uses one per process
     (``cpu_device()``); ``predict()`` one per prediction.
+
+    The counter's events are queued and run through the allocator in order, as one *unit*, whenever the
+    device is read (``allocator``, ``reserved()``, ``watch``/``unwatch``: each ``measure()`` block reads it
+    at its start and end). A unit that comes again, from the state it left the allocator in before (the
+    steady state of a training loop: each step makes and frees the same sizes, in the same order, and ends
+    where it began), is not run again: the allocator is deterministic, so the outcome recorded the first
+    time (every address, every statistic, the peak of reserved memory) is applied instead. A unit is
+    recorded only after its signature was seen before, and only where the state before and after it compare
+    equal (``CachingAllocator.state_key``); any other call on the allocator (``generation``) or a change of
+    its settings voids the record. ``lazy=False`` runs each event when it happens, and so does a device
+    under a cap (``budget(..., reserved=True)``), whose out-of-memory error must come from the allocation
+    that causes it.
     """
 
+    _MAX_QUEUE = 1 << 16  # events queued before the device runs them unasked
+    _MAX_UNITS = 8  # signatures kept, of units seen and of units recorded (a long step's is long)
+    _MAX_WAIT = 64  # a unit that repeats without leaving the state unchanged is checked again after 1, 2, 4...
+
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
-                 context_bytes: int | str = 0, record_events: bool = False) -> None:
-        self.allocator = CachingAllocator(total_memory, config, context_bytes=context_bytes)
+                 context_bytes: int | str = 0, record_events: bool = False, lazy: bool = True) -> None:
+        self._alloc = CachingAllocator(total_memory, config, context_bytes=context_bytes)
         self.addr: dict[int, int] = {}  # the ledger's storage key -> simulated address
         self.peaks: list[list[int]] = []  # [peak reserved] of each block watching
         self.events: list | None = [] if record_events else None  # ("a", key, nbytes) / ("f", key)
         self.ledger = None
         self.failed = False  # interrupted mid-update (Ctrl-C): detached, its state no longer trusted
+        self.lazy = lazy and not record_events
+        self._queue: list[tuple[int, int]] = []  # (key, nbytes) of an allocation, (key, 0) of a free
+        self._lock = threading.RLock()  # the ledger's lock while attached: the one its events come under
+        self._state = None  # the allocator's state_key(), when known: valid at generation _state_gen
+        self._state_gen = -1
+        self._memo_state = None  # the state that every recorded unit starts and ends in
+        self._memo: dict[tuple, tuple] = {}  # a unit's signature -> its outcome
+        self._seen: dict[tuple, list[int]] = {}  # signature of a unit run -> [runs to wait, next wait]
+        self.units_run = 0  # units the allocator ran
+        self.units_reused = 0  # units whose recorded outcome was applied
+
+    @property
+    def allocator(self) -> CachingAllocator:
+        """The simulated allocator, up to date: every storage that died is freed, every event applied."""
+        self._catch_up()
+        return self._alloc
+
+    def reserved(self) -> int:
+        """Reserved memory now (``torch.cuda.memory_reserved()``)."""
+        self._catch_up()
+        return self._alloc.memory_reserved()
+
+    def _catch_up(self) -> None:
+        if self.ledger is not None:
+            self.ledger.settle()  # frees of storages that died since the counter last did its books
+        self.flush()
 
     def attach(self, ledger) -> "SimulatedDevice":
         if ledger.listener is not None and ledger.listener is not self:
             raise RuntimeError("this counter already drives another simulated device; detach it first")
+        self.flush()
+        ledger.settle()  # storages that died since the counter last did its books are not adopted
         ledger.listener = self
         self.ledger = ledger
+        self._lock = ledger._lock
         for key, nbytes in list(ledger.sizes.items()):
             if key not in self.addr:
                 self.on_alloc(key, nbytes, False)
@@ -1558,35 +1633,44 @@ class SimulatedDevice:
 
     def detach(self) -> None:
         if self.ledger is not None and self.ledger.listener is self:
+            self.flush()
             self.ledger.listener = None
         self.ledger = None
 
     def _fail(self) -> None:
         self.failed = True
+        self._queue = []
         self.detach()
+
+    # -- the counter's events ------------------------------------------------------------------------------
 
     def on_alloc(self, key: int, nbytes: int, counted: bool = True) -> None:
         """A storage of ``nbytes`` was made (``counted``) or found (an existing one, adopted).
 
         Raises:
-            SimulatedOutOfMemoryError: when the simulated device cannot hold a new storage.
+            SimulatedOutOfMemoryError: when the simulated device cannot hold a new storage under a cap.
         """
         if nbytes <= 0:  # CUDA hands out no block for an empty storage
             return
-        alloc = self.allocator
+        if self.lazy and counted and self._alloc.allowed_memory_maximum is None:
+            queue = self._queue
+            queue.append((key, nbytes))
+            if len(queue) >= self._MAX_QUEUE:
+                self.flush()
+            return
+        self.flush()
+        self._alloc_now(key, nbytes, counted)
+
+    def _alloc_now(self, key: int, nbytes: int, counted: bool) -> None:
+        if self.failed:
+            return
+        alloc = self._alloc
         try:
             a = alloc.malloc(nbytes)
         except torch.OutOfMemoryError:
             if counted and alloc.allowed_memory_maximum is not None:
                 raise  # a cap the user set (budget(..., reserved=True)): the lesson's OOM
-            # The simulated GPU is smaller than what the program really holds: never fail a real run
-            # for that; stop simulating, and say so.
-            import warnings
-
-            warnings.warn(f"the simulated GPU ({format_size(alloc.total_memory)}) cannot hold this process's "
-                          "tensors: reserved memory is no longer simulated (a bigger one: "
-                          "gpukit.allocator.reset_cpu_device(total_memory=...))", RuntimeWarning, stacklevel=2)
-            self._fail()
+            self._too_small()
             return
         except BaseException:  # interrupted half-way (KeyboardInterrupt): stop following rather than drift
             self._fail()
@@ -1605,38 +1689,216 @@ class SimulatedDevice:
 
     def on_resize(self, key: int, nbytes: int) -> None:
         """A storage changed size: like the allocator, the new block exists before the old is freed."""
+        self.flush()
         old = self.addr.pop(key, None)
         try:
-            self.on_alloc(key, nbytes)
+            if nbytes > 0:
+                self._alloc_now(key, nbytes, True)
         except BaseException:
             if old is not None:
                 self.addr[key] = old
             raise
         if old is not None:
-            self.allocator.free(old)
+            self._alloc.free(old)
             if self.events is not None:
                 self.events.append(("f", key))
 
     def on_free(self, key: int) -> None:
+        if self.lazy:
+            queue = self._queue
+            queue.append((key, 0))
+            if len(queue) >= self._MAX_QUEUE:
+                self.flush()
+            return
         a = self.addr.pop(key, None)
         if a is not None:
             try:
-                self.allocator.free(a)
+                self._alloc.free(a)
             except BaseException:  # called from a weakref callback: never let a broken state repeat
                 self._fail()
                 raise
             if self.events is not None:
                 self.events.append(("f", key))
 
+    def _too_small(self) -> None:
+        # The simulated GPU is smaller than what the program really holds: never fail a real run for that;
+        # stop simulating, and say so.
+        import warnings
+
+        warnings.warn(f"the simulated GPU ({format_size(self._alloc.total_memory)}) cannot hold this process's "
+                      "tensors: reserved memory is no longer simulated (a bigger one: "
+                      "gpukit.allocator.reset_cpu_device(total_memory=...))", RuntimeWarning, stacklevel=3)
+        self._fail()
+
+    # -- running the queue ---------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Run the queued events through the allocator (or apply the recorded outcome of the same unit)."""
+        if not self._queue:
+            return
+        with self._lock:
+            queue = self._queue
+            if not queue or self.failed:
+                return
+            self._queue = []
+            try:
+                self._run(queue)
+            except BaseException:  # interrupted half-way (KeyboardInterrupt): stop following rather than drift
+                self._fail()
+                raise
+
+    def _plain(self) -> bool:
+        """Whether the allocator is in a state a recorded unit can stand for: no cap (and so no garbage
+        collection), no trace to write, no blocks waiting for other streams, addresses of its own."""
+        a = self._alloc
+        return (a.allowed_memory_maximum is None and a.trace is None and not a.pending
+                and a.address_source is None)
+
+    def _run(self, queue: list[tuple[int, int]]) -> None:
+        alloc, addr = self._alloc, self.addr
+        # The unit's signature: each allocation's size and the block it replaces (a storage that died unseen),
+        # each free's block; a block the unit made is named by its number in the unit (-1 - i), an older one
+        # by its address. Keys (storage ids) differ from step to step; this does not.
+        sig: list = []
+        mine: dict[int, int] = {}  # key -> number of the unit's allocation that still holds it
+        gone: set[int] = set()  # keys of older storages the unit freed
+        n = 0
+        for key, nbytes in queue:
+            if nbytes:
+                i = mine.get(key)
+                if i is not None:
+                    old = -1 - i
+                else:
+                    old = None if key in gone else addr.get(key)
+                    if old is not None:
+                        gone.add(key)
+                sig.append((nbytes, old))
+                mine[key] = n
+                n += 1
+            else:
+                i = mine.pop(key, None)
+                if i is not None:
+                    sig.append(-1 - i)
+                elif key not in gone:
+                    a = addr.get(key)
+                    if a is not None:
+                        gone.add(key)
+                        sig.append(a)
+        if not sig:
+            return
+        sig = tuple(sig)
+        outcome = None
+        if (self._state is not None and self._state is self._memo_state and alloc.generation == self._state_gen
+                and self._plain()):
+            outcome = self._memo.get(sig)
+        if outcome is not None:
+            self._apply(outcome)
+            self.units_reused += 1
+        else:
+            seen = self._seen.get(sig)
+            candidate = seen is not None and seen[0] == 0 and self._plain()
+            if seen is not None and seen[0] > 0:
+                seen[0] -= 1
+            if candidate:
+                known = self._state is not None and alloc.generation == self._state_gen
+                before = self._state if known else alloc.state_key()
+            outcome = self._replay(sig)
+            if outcome is None:  # the simulated GPU is too small: no longer simulating
+                return
+            self.units_run += 1
+            if candidate:
+                after = alloc.state_key()
+                if after == self._memo_state:
+                    after = self._memo_state
+                self._state, self._state_gen = after, alloc.generation
+                if after == before:  # the unit left the allocator as it found it: record it
+                    if after is not self._memo_state or len(self._memo) >= self._MAX_UNITS:
+                        self._memo, self._memo_state = {}, after
+                    self._memo[sig] = outcome
+                    self._seen.clear()
+                else:  # the same events, a state that moves (a leak): comparing states costs, so less often
+                    seen[0], seen[1] = seen[1], min(2 * seen[1], self._MAX_WAIT)
+            else:
+                self._state = None
+                if seen is None:
+                    if len(self._seen) >= self._MAX_UNITS:
+                        self._seen.clear()
+                    self._seen[sig] = [0, 1]
+        addrs = outcome[0]
+        for key in gone:
+            del addr[key]
+        for key, i in mine.items():
+            addr[key] = addrs[i]
+        peak = outcome[3]
+        for p in self.peaks:
+            if peak > p[0]:
+                p[0] = peak
+
+    def _cells(self) -> list[list[int]]:
+        a = self._alloc
+        return [s for stat in a.stats for s in stat] + [a.oversize_allocations, a.oversize_segments]
+
+    def _replay(self, sig: tuple) -> tuple | None:
+        """Run one unit through the allocator; its outcome: (addresses, per statistic (its peak in the unit,
+        what it added to allocated and freed), counters' changes, reserved memory's peak in the unit)."""
+        alloc = self._alloc
+        malloc, free = alloc.malloc, alloc.free
+        cells = self._cells()
+        saved = [(s[1], s[2], s[3]) for s in cells]
+        for s in cells:
+            s[1] = s[0]  # each statistic's peak, from here on: the unit's own
+        counters = dict(alloc.counters)
+        addrs: list[int] = []
+        too_small = False
+        try:
+            for e in sig:
+                if e.__class__ is tuple:
+                    addrs.append(malloc(e[0]))
+                    old = e[1]
+                    if old is not None:
+                        free(addrs[-1 - old] if old < 0 else old)
+                else:
+                    free(addrs[-1 - e] if e < 0 else e)
+        except torch.OutOfMemoryError:
+            too_small = True
+        finally:
+            in_unit = [s[1] for s in cells]
+            for s, (peak, _, _) in zip(cells, saved):
+                if peak > s[1]:
+                    s[1] = peak
+        if too_small:
+            self._too_small()
+            return None
+        stats = tuple((p, s[2] - a, s[3] - f) for s, p, (_, a, f) in zip(cells, in_unit, saved))
+        changed = tuple((k, v - counters[k]) for k, v in alloc.counters.items() if v != counters[k])
+        return tuple(addrs), stats, changed, in_unit[5 * len(POOL_NAMES)]  # reserved_bytes.all
+
+    def _apply(self, outcome: tuple) -> None:
+        """What replaying a recorded unit from the state it starts and ends in would do to the statistics."""
+        _, stats, changed, _ = outcome
+        for s, (peak, allocated, freed) in zip(self._cells(), stats):
+            if peak > s[1]:
+                s[1] = peak
+            s[2] += allocated
+            s[3] += freed
+        counters = self._alloc.counters
+        for k, v in changed:
+            counters[k] += v
+
+    # -- peaks of blocks -----------------------------------------------------------------------------------
+
     def watch(self) -> list[int]:
         """Start following the peak of reserved memory; returns the [peak] cell to read and ``unwatch``."""
-        cell = [self.allocator.memory_reserved()]
+        cell = [self.reserved()]
         self.peaks.append(cell)
         return cell
 
     def unwatch(self, cell: list[int]) -> int:
-        if cell in self.peaks:
-            self.peaks.remove(cell)
+        self._catch_up()
+        for i, c in enumerate(self.peaks):
+            if c is cell:  # this block's cell: another block's may hold the same number
+                del self.peaks[i]
+                break
         return cell[0]
 
 
@@ -1671,8 +1933,9 @@ def cpu_device() -> SimulatedDevice | None:
 
 
 def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
-                     context_bytes: int | str = 0) -> SimulatedDevice:
-    """Start the CPU's simulated GPU afresh, with a capacity and ``PYTORCH_CUDA_ALLOC_CONF`` settings.
+                     context_bytes: int | str = 0, lazy: bool = True) -> SimulatedDevice:
+    """Start the CPU's simulated GPU afresh, with a capacity and ``PYTORCH_CUDA_ALLOC_CONF`` settings
+    (``lazy=False``: every event run when it happens, and no unit reused; see ``SimulatedDevice``).
 
     Raises:
         ValueError: for a size or setting that is not allowed.
@@ -1680,7 +1943,7 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
     global _CPU_DEVICE
     from .counter import LEDGER
 
-    fresh = SimulatedDevice(total_memory, config, context_bytes=context_bytes)
+    fresh = SimulatedDevice(total_memory, config, context_bytes=context_bytes, lazy=lazy)
     if _CPU_DEVICE is not None:
         _CPU_DEVICE.detach()
     _CPU_DEVICE = fresh.attach(LEDGER)

@@ -736,3 +736,263 @@ def test_the_cpu_simulated_device_read_outside_a_block_has_counted_every_free():
         assert cpu_device().allocator.memory_allocated() == allocated - 16 * MB
     finally:
         reset_cpu_device()
+
+
+# -- a unit that repeats is applied, not run again ---------------------------------------------------------------
+
+
+class _Twins:
+    """Two simulated devices fed the same events: one as measure() runs it (queued, repeats reused) and
+    one that runs every event when it happens. Nothing in this file drives the second one cleverly."""
+
+    def __init__(self, config: str = ""):
+        from gpukit.allocator import SimulatedDevice
+
+        self.lazy = SimulatedDevice("16 GiB", config)
+        self.eager = SimulatedDevice("16 GiB", config, lazy=False)
+        self.next_key = 1
+
+    def alloc(self, nbytes: int, key: int | None = None) -> int:
+        if key is None:
+            key, self.next_key = self.next_key, self.next_key + 1
+        for dev in (self.lazy, self.eager):
+            dev.on_alloc(key, nbytes)
+        return key
+
+    def free(self, key: int) -> None:
+        for dev in (self.lazy, self.eager):
+            dev.on_free(key)
+
+    def watched(self, body) -> None:
+        """``body()`` inside a block on both devices: the peak of reserved memory each reports must agree."""
+        cells = [dev.watch() for dev in (self.lazy, self.eager)]
+        body()
+        peaks = [dev.unwatch(c) for dev, c in zip((self.lazy, self.eager), cells)]
+        assert peaks[0] == peaks[1]
+
+    def same(self) -> None:
+        lazy, eager = self.lazy.allocator, self.eager.allocator
+        assert lazy.memory_stats() == eager.memory_stats()
+        assert lazy.segments() == eager.segments()
+        assert self.lazy.addr == self.eager.addr
+
+
+def _training_step(twins: _Twins, params: list[int], grads: list[int], batch: int) -> list[int]:
+    """One step of a made-up training loop: the old gradients go, activations pile up and go in reverse order
+    while the new gradients are made, a temporary in between; returns the new gradients' keys."""
+    for g in grads:
+        twins.free(g)
+    acts = [twins.alloc(batch * (i + 1) * 3000) for i in range(6)]
+    tmp = twins.alloc(12 * MB + 4096)
+    twins.free(tmp)
+    new = []
+    for a, p in zip(reversed(acts), params * 2):
+        twins.free(a)
+        if len(new) < len(params):
+            new.append(twins.alloc(p))
+    return new
+
+
+@pytest.mark.parametrize("config", ["", "expandable_segments:True"])
+def test_a_reused_step_gives_what_running_every_event_gives(config):
+    """Device: two simulated GPUs, fed the same events (no torch device). A training loop's steps repeat; the
+    queued device applies a recorded step instead of running it, and every statistic, segment, address and
+    block peak agrees with the device that runs every event, also after calls that change the allocator
+    behind the queue's back (empty_cache, a malloc on a held reference, new settings, a storage that died
+    unseen, a bigger batch)."""
+    twins = _Twins(config)
+    sizes = [300_000, 4 * MB, 2 * MB + 512, 700, 9 * MB]
+    params = [twins.alloc(s) for s in sizes]
+    grads: list[int] = []
+    held = twins.lazy.allocator, twins.eager.allocator  # references kept past the queue
+
+    kept = []
+
+    def steps(n: int, batch: int = 64, leak: bool = False) -> None:
+        nonlocal grads
+        for _ in range(n):
+            def body():
+                nonlocal grads
+                grads = _training_step(twins, params, grads, batch)
+                if leak:  # total_loss += loss: the same events every step, and a state that grows
+                    kept.append(twins.alloc(1 * MB))
+            twins.watched(body)
+            twins.same()
+
+    steps(8)
+    assert twins.lazy.units_reused >= 4, (twins.lazy.units_run, twins.lazy.units_reused)
+    for a in held:
+        a.empty_cache()
+    steps(5)
+    extra = [a.malloc(5 * MB) for a in held]  # on the allocators themselves, not through the devices
+    steps(5)
+    for a, x in zip(held, extra):
+        a.free(x)
+    for a in held:
+        a.set_settings("max_split_size_mb:40")
+    steps(5)
+    twins.alloc(3 * MB, key=params[1])  # a storage that died unseen: its key comes back with a new one
+    steps(4, batch=256)
+    steps(5)
+    steps(6, leak=True)
+    steps(5)
+    assert twins.lazy.units_reused >= 12, (twins.lazy.units_run, twins.lazy.units_reused)
+    assert twins.eager.units_run == twins.eager.units_reused == 0  # it ran every event as it came
+
+
+def test_nested_blocks_each_keep_their_own_reserved_peak():
+    """Device: cpu, with the simulated GPU behind it. An inner block that ends with the same reserved memory
+    as the outer one began with must not take the outer block's peak with it."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    reset_cpu_device("16 GiB")
+    try:
+        with gpukit.measure("cpu", record=False) as outer:
+            with gpukit.measure("cpu", record=False):
+                pass
+            x = torch.empty(64 * MB, dtype=torch.uint8, device="cpu")
+        assert outer.reserved_peak - outer.reserved_start == 64 * MB
+        del x
+    finally:
+        reset_cpu_device()
+
+
+def _measured_loop(lazy: bool, steps: int = 8) -> tuple[list[tuple[int, int, int]], dict, object]:
+    import gc
+
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    gc.collect()  # the other run's tensors are gone, so both devices adopt the same storages
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(256, 64, device="cpu"), torch.randint(0, 10, (256,), device="cpu")
+    dev = reset_cpu_device("16 GiB", lazy=lazy)
+    rows = []
+    for _ in range(steps):
+        with gpukit.measure("cpu", record=False) as r:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        rows.append((r.reserved_start, r.reserved_peak, r.reserved_end))
+    stats = dev.allocator.memory_stats()
+    return rows, stats, dev
+
+
+def test_a_measured_training_loop_reports_the_same_reserved_memory_reused_or_run():
+    """Device: cpu, with the simulated GPU behind it. A steady training loop inside measure(): the steps the
+    device reuses report the reserved memory, and leave the statistics, that running every event gives."""
+    from gpukit.allocator import reset_cpu_device
+
+    try:
+        rows, stats, dev = _measured_loop(lazy=True)
+        every_rows, every_stats, every_dev = _measured_loop(lazy=False)
+    finally:
+        reset_cpu_device()
+    assert dev.units_reused >= 4 and every_dev.units_reused == 0
+    assert rows == every_rows
+    assert stats == every_stats
+
+
+def test_a_cap_after_reused_steps_still_fails_the_allocation_that_passes_it():
+    """Device: cpu, with the simulated GPU behind it. Once steps are being reused, budget(reserved=True) must
+    still raise CUDA's out-of-memory error from the allocation that passes the cap, inside the block."""
+    import gpukit
+    from gpukit.allocator import cpu_device, reset_cpu_device
+
+    reset_cpu_device("16 GiB")
+    try:
+        for _ in range(6):
+            with gpukit.measure("cpu", record=False):
+                t = torch.empty(30 * MB, dtype=torch.uint8, device="cpu")
+                del t
+        assert cpu_device().units_reused >= 2
+        cpu_device().allocator.empty_cache()  # as budget() does on entry: the cap counts from here
+        base = cpu_device().allocator.memory_reserved()
+        made = []
+        with pytest.raises(SimulatedOutOfMemoryError, match="CUDA out of memory. Tried to allocate 30.00 MiB"):
+            with gpukit.budget(base + 40 * MB, device="cpu", reserved=True):
+                made.append(torch.empty(20 * MB, dtype=torch.uint8, device="cpu"))
+                made.append(torch.empty(30 * MB, dtype=torch.uint8, device="cpu"))
+        assert len(made) == 1  # the first fits; the second fails where it is asked for
+    finally:
+        reset_cpu_device()
+
+
+def test_a_unit_that_repeats_while_the_state_grows_is_compared_less_and_less_often(monkeypatch):
+    """Device: a simulated GPU (no torch device). A leak (``total_loss += loss``) repeats the same events
+    while the allocator's state grows, so no unit can be reused; comparing whole states every time would
+    cost a model's every block per step. Each failed comparison doubles the wait before the next one."""
+    calls = []
+    real = CachingAllocator.state_key
+    monkeypatch.setattr(CachingAllocator, "state_key", lambda self: calls.append(1) or real(self))
+    twins = _Twins("expandable_segments:True")
+    for _ in range(100):
+        twins.watched(lambda: twins.alloc(1 * MB))
+        twins.same()
+    assert twins.lazy.units_reused == 0
+    assert 6 <= len(calls) <= 30, len(calls)  # every unit compared would be 100 to 200
+
+
+def test_blocks_on_two_threads_leave_the_simulated_device_in_step_with_the_counter():
+    """Device: cpu, with the simulated GPU behind it. Two threads measure training-like loops at once (their
+    events queued from both, each block end running the queue): afterwards the simulated allocator holds
+    exactly what the counter counts live (small tensors only: each gets a block of its rounded size; both
+    counted from where they stood, as storages of earlier tests may be bigger)."""
+    import threading
+
+    import gpukit
+    from gpukit.allocator import cpu_device, reset_cpu_device
+    from gpukit.counter import LEDGER
+
+    dev = reset_cpu_device("16 GiB")
+    errors, kept = [], []
+
+    def held() -> int:
+        return dev.allocator.memory_allocated() - LEDGER.live_rounded
+
+    start = held()
+
+    def loop(width: int) -> None:
+        try:
+            for i in range(40):
+                with gpukit.measure("cpu", record=False):
+                    acts = [torch.empty(width * (j + 1), device="cpu") for j in range(5)]
+                    del acts[::2]
+                    if i % 10 == 0:
+                        kept.append(torch.empty(width, device="cpu"))
+                    del acts
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            errors.append(err)
+
+    try:
+        threads = [threading.Thread(target=loop, args=(w,)) for w in (1000, 3000)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert cpu_device() is dev and len(kept) == 8 and held() == start
+        kept.clear()
+        assert held() == start
+    finally:
+        reset_cpu_device()
+
+
+def test_a_held_simulated_device_read_after_a_del_has_counted_the_free():
+    """Device: cpu, with the simulated GPU behind it. The device reset_cpu_device() returns, read later
+    through the reference kept (not through cpu_device()), shows a tensor deleted outside any block as freed."""
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    dev = reset_cpu_device("16 GiB")
+    try:
+        with gpukit.measure("cpu", record=False):
+            x = torch.empty(16 * MB, dtype=torch.uint8, device="cpu")
+        allocated = dev.allocator.memory_allocated()
+        del x
+        assert dev.allocator.memory_allocated() == allocated - 16 * MB
+    finally:
+        reset_cpu_device()
