@@ -1595,7 +1595,8 @@ class SimulatedDevice:
         self._queue: list[tuple[int, int]] = []  # (key, nbytes) of an allocation, (key, 0) of a free
         self._lock = threading.RLock()  # the ledger's lock while attached: the one its events come under
         self._state = None  # the allocator's state_key(), when known: valid at generation _state_gen
-        self._state_gen = -1
+        self._state_gen = -1  # ... and while the settings and sizes _settings() gives are those it was taken with
+        self._state_settings: tuple = ()
         self._memo_state = None  # the state that every recorded unit starts and ends in
         self._memo: dict[tuple, tuple] = {}  # a unit's signature -> its outcome
         self._seen: dict[tuple, list[int]] = {}  # signature of a unit run -> [runs to wait, next wait]
@@ -1747,6 +1748,11 @@ class SimulatedDevice:
                 self._fail()
                 raise
 
+    def _settings(self) -> tuple:
+        """What a caller can change by assignment, without a call that bumps ``generation``."""
+        a = self._alloc
+        return a.config, a.total_memory, a.context_bytes  # configs compare by their fields
+
     def _plain(self) -> bool:
         """Whether the allocator is in a state a recorded unit can stand for: no cap (and so no garbage
         collection), no trace to write, no blocks waiting for other streams, addresses of its own."""
@@ -1789,7 +1795,7 @@ class SimulatedDevice:
         sig = tuple(sig)
         outcome = None
         if (self._state is not None and self._state is self._memo_state and alloc.generation == self._state_gen
-                and self._plain()):
+                and self._plain() and self._settings() == self._state_settings):
             outcome = self._memo.get(sig)
         if outcome is not None:
             self._apply(outcome)
@@ -1800,7 +1806,8 @@ class SimulatedDevice:
             if seen is not None and seen[0] > 0:
                 seen[0] -= 1
             if candidate:
-                known = self._state is not None and alloc.generation == self._state_gen
+                known = (self._state is not None and alloc.generation == self._state_gen
+                         and self._settings() == self._state_settings)
                 before = self._state if known else alloc.state_key()
             outcome = self._replay(sig)
             if outcome is None:  # the simulated GPU is too small: no longer simulating
@@ -1810,7 +1817,7 @@ class SimulatedDevice:
                 after = alloc.state_key()
                 if after == self._memo_state:
                     after = self._memo_state
-                self._state, self._state_gen = after, alloc.generation
+                self._state, self._state_gen, self._state_settings = after, alloc.generation, self._settings()
                 if after == before:  # the unit left the allocator as it found it: record it
                     if after is not self._memo_state or len(self._memo) >= self._MAX_UNITS:
                         self._memo, self._memo_state = {}, after

@@ -14,6 +14,7 @@ Device: a simulated CUDA GPU (gpukit.allocator.CachingAllocator); no real device
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 import re
@@ -831,6 +832,10 @@ def test_a_reused_step_gives_what_running_every_event_gives(config):
     for a in held:
         a.set_settings("max_split_size_mb:40")
     steps(5)
+    steps(3)  # long enough for a step to be reused under these settings
+    for a in held:  # by assignment, as a user may: no call tells the device (blocks of 4 MiB up are oversize)
+        a.config = dataclasses.replace(a.config, max_split_size=4 * MB)
+    steps(5)
     twins.alloc(3 * MB, key=params[1])  # a storage that died unseen: its key comes back with a new one
     steps(4, batch=256)
     steps(5)
@@ -858,42 +863,47 @@ def test_nested_blocks_each_keep_their_own_reserved_peak():
         reset_cpu_device()
 
 
-def _measured_loop(lazy: bool, steps: int = 8) -> tuple[list[tuple[int, int, int]], dict, object]:
-    import gc
-
+def test_a_measured_training_loop_reports_the_same_reserved_memory_reused_or_run():
+    """Device: cpu, with the simulated GPU behind it. A steady training loop inside measure(); a second simulated
+    device that runs every event is fed the same events (the counter's calls to the first, passed on) and has
+    adopted the same storages. The steps the first device reuses report the reserved memory, and leave the
+    statistics and segments, that running every event gives."""
     import gpukit
-    from gpukit.allocator import reset_cpu_device
+    from gpukit.allocator import SimulatedDevice, reset_cpu_device
+    from gpukit.counter import LEDGER
 
-    gc.collect()  # the other run's tensors are gone, so both devices adopt the same storages
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(256, 64, device="cpu"), torch.randint(0, 10, (256,), device="cpu")
-    dev = reset_cpu_device("16 GiB", lazy=lazy)
-    rows = []
-    for _ in range(steps):
-        with gpukit.measure("cpu", record=False) as r:
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        rows.append((r.reserved_start, r.reserved_peak, r.reserved_end))
-    stats = dev.allocator.memory_stats()
-    return rows, stats, dev
+    dev = reset_cpu_device("16 GiB")
+    twin = SimulatedDevice("16 GiB", lazy=False)
+    for key, nbytes in list(LEDGER.sizes.items()):  # what dev adopted, in the order it adopted it
+        twin.on_alloc(key, nbytes, False)
 
+    def both(name):
+        first, second = getattr(dev, name), getattr(twin, name)
 
-def test_a_measured_training_loop_reports_the_same_reserved_memory_reused_or_run():
-    """Device: cpu, with the simulated GPU behind it. A steady training loop inside measure(): the steps the
-    device reuses report the reserved memory, and leave the statistics, that running every event gives."""
-    from gpukit.allocator import reset_cpu_device
+        def call(*args):
+            first(*args)
+            second(*args)
+        return call
 
+    for name in ("on_alloc", "on_free", "on_resize"):
+        setattr(dev, name, both(name))  # the counter calls its listener's methods: these, now
     try:
-        rows, stats, dev = _measured_loop(lazy=True)
-        every_rows, every_stats, every_dev = _measured_loop(lazy=False)
+        for _ in range(10):
+            cell = twin.watch()
+            with gpukit.measure("cpu", record=False) as r:
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            assert (r.reserved_peak, r.reserved_end) == (twin.unwatch(cell), twin.reserved())
+            assert dev.allocator.memory_stats() == twin.allocator.memory_stats()
+            assert dev.allocator.segments() == twin.allocator.segments()
+        assert dev.units_reused >= 5 and twin.units_reused == 0
     finally:
         reset_cpu_device()
-    assert dev.units_reused >= 4 and every_dev.units_reused == 0
-    assert rows == every_rows
-    assert stats == every_stats
 
 
 def test_a_cap_after_reused_steps_still_fails_the_allocation_that_passes_it():
