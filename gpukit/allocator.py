@@ -1162,8 +1162,9 @@ class CachingAllocator:
     def state_key(self) -> tuple:
         """Everything that decides what the allocator does next, as one comparable value: two states with
         the same key answer every sequence of calls alike (statistics' running totals aside). Every block
-        (address, size, requested size, stream, neighbours, state), the free pools' order, the next new
-        segment's address, what the driver has handed out, and the settings."""
+        (address, size, requested size, stream, neighbours, state; blocks waiting for other streams too), the
+        free pools' order, the next new segment's address, what the driver has handed out, the capacity, the
+        cap and the settings."""
         def block(b: Block) -> tuple:
             return (b.addr, b.size, b.requested, b.stream, b.allocated, b.mapped, b.es is not None,
                     None if b.prev is None else b.prev.addr, None if b.next is None else b.next.addr,
@@ -1174,7 +1175,7 @@ class CachingAllocator:
                            for e in self.expandable)
         return (self._next_addr, self.total_allocated_memory, tuple(blocks), tuple(self.small.keys),
                 tuple(self.large.keys), tuple(self.small.unmapped), tuple(self.large.unmapped), expandable,
-                tuple(id(b) for b in self.pending), self.allowed_memory_maximum, repr(self.config))
+                self.total_memory, self.context_bytes, self.allowed_memory_maximum, repr(self.config))
 
     def fragmentation(self) -> int:
         """Reserved but unallocated bytes (what the OOM message calls so)."""
@@ -1654,13 +1655,16 @@ class SimulatedDevice:
         if nbytes <= 0:  # CUDA hands out no block for an empty storage
             return
         if self.lazy and counted and self._alloc.allowed_memory_maximum is None:
-            queue = self._queue
-            queue.append((key, nbytes))
-            if len(queue) >= self._MAX_QUEUE:
-                self.flush()
+            self._enqueue(key, nbytes)
             return
         self.flush()
         self._alloc_now(key, nbytes, counted)
+
+    def _enqueue(self, key: int, nbytes: int) -> None:
+        queue = self._queue
+        queue.append((key, nbytes))
+        if len(queue) >= self._MAX_QUEUE:
+            self.flush()
 
     def _alloc_now(self, key: int, nbytes: int, counted: bool) -> None:
         if self.failed:
@@ -1682,11 +1686,7 @@ class SimulatedDevice:
             alloc.free(old)
         if self.events is not None:
             self.events.append(("a", key, nbytes))
-        if self.peaks:
-            r = alloc.stats[5][0][0]
-            for p in self.peaks:
-                if r > p[0]:
-                    p[0] = r
+        self._raise_peaks(alloc.stats[5][0][0])  # reserved_bytes.all.current
 
     def on_resize(self, key: int, nbytes: int) -> None:
         """A storage changed size: like the allocator, the new block exists before the old is freed."""
@@ -1706,10 +1706,7 @@ class SimulatedDevice:
 
     def on_free(self, key: int) -> None:
         if self.lazy:
-            queue = self._queue
-            queue.append((key, 0))
-            if len(queue) >= self._MAX_QUEUE:
-                self.flush()
+            self._enqueue(key, 0)
             return
         a = self.addr.pop(key, None)
         if a is not None:
@@ -1753,6 +1750,11 @@ class SimulatedDevice:
         a = self._alloc
         return a.config, a.total_memory, a.context_bytes  # configs compare by their fields
 
+    def _state_known(self) -> bool:
+        """Whether ``_state`` is the allocator's state now: nothing called on it, nothing assigned, since."""
+        return (self._state is not None and self._alloc.generation == self._state_gen
+                and self._settings() == self._state_settings)
+
     def _plain(self) -> bool:
         """Whether the allocator is in a state a recorded unit can stand for: no cap (and so no garbage
         collection), no trace to write, no blocks waiting for other streams, addresses of its own."""
@@ -1794,8 +1796,7 @@ class SimulatedDevice:
             return
         sig = tuple(sig)
         outcome = None
-        if (self._state is not None and self._state is self._memo_state and alloc.generation == self._state_gen
-                and self._plain() and self._settings() == self._state_settings):
+        if self._state is self._memo_state and self._state_known() and self._plain():
             outcome = self._memo.get(sig)
         if outcome is not None:
             self._apply(outcome)
@@ -1806,9 +1807,7 @@ class SimulatedDevice:
             if seen is not None and seen[0] > 0:
                 seen[0] -= 1
             if candidate:
-                known = (self._state is not None and alloc.generation == self._state_gen
-                         and self._settings() == self._state_settings)
-                before = self._state if known else alloc.state_key()
+                before = self._state if self._state_known() else alloc.state_key()
             outcome = self._replay(sig)
             if outcome is None:  # the simulated GPU is too small: no longer simulating
                 return
@@ -1836,10 +1835,7 @@ class SimulatedDevice:
             del addr[key]
         for key, i in mine.items():
             addr[key] = addrs[i]
-        peak = outcome[3]
-        for p in self.peaks:
-            if peak > p[0]:
-                p[0] = peak
+        self._raise_peaks(outcome[3])
 
     def _cells(self) -> list[list[int]]:
         a = self._alloc
@@ -1893,6 +1889,11 @@ class SimulatedDevice:
             counters[k] += v
 
     # -- peaks of blocks -----------------------------------------------------------------------------------
+
+    def _raise_peaks(self, reserved: int) -> None:
+        for p in self.peaks:
+            if reserved > p[0]:
+                p[0] = reserved
 
     def watch(self) -> list[int]:
         """Start following the peak of reserved memory; returns the [peak] cell to read and ``unwatch``."""
