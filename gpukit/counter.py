@@ -188,7 +188,7 @@ INTERRUPTS = _DeferredInterrupts()
 
 
 class _StorageRef(weakref.ref):
-    """A weak reference to a storage that knows the key it is filed under."""
+    """A weak reference to a storage (or a tensor object) that knows the key it is filed under."""
 
     __slots__ = ("key",)
 
@@ -382,11 +382,14 @@ class Ledger:
         self._live_rounded = 0
         self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
         self._orig_storage_resize = None
-        self._tensors: dict[int, weakref.ref] = {}  # every tensor object found by a scan
+        self._tensors: dict[int, _StorageRef] = {}  # every tensor object found by a scan, by id
+        self._dead_tensors: collections.deque = collections.deque()  # their references, once dead (as _dead)
         # Generational scans rely on CPython <= 3.13's three-generation collector.
         self._incremental = sys.version_info < (3, 14)
-        self._gc_dirty = 2  # the first scan is a full one
-        gc.callbacks.append(self._on_gc)
+        # The collector's own count of collections per generation at the last scan (None: none yet, so the
+        # first scan is a full one). Read, not reported by a gc callback: no gpukit code runs inside a
+        # collection, where CPython drops any exception, a KeyboardInterrupt from Ctrl-C included.
+        self._gc_runs: list[int] | None = None
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -570,11 +573,18 @@ class Ledger:
         The first call scans every object the garbage collector tracks; later calls
         scan only the generations that can hold tensors made since the last scan
         (a tensor is born in generation 0 and moves up only when a collection
-        runs, which ``gc.callbacks`` reports). Tensors found before are re-read
+        runs, which ``gc.get_stats()`` counts). Tensors found before are re-read
         every time, since their ``.grad``, graph or storage may have changed.
         """
-        dirty, self._gc_dirty = self._gc_dirty, -1
-        tensors = self._tensors
+        runs, before = [g["collections"] for g in gc.get_stats()], self._gc_runs
+        self._gc_runs = runs
+        # The oldest generation collected since the last scan: its survivors moved one generation up.
+        dirty = 2 if before is None else max((gen for gen in range(3) if runs[gen] != before[gen]), default=-1)
+        tensors, dead = self._tensors, self._dead_tensors
+        while dead:
+            ref = dead.popleft()
+            if tensors.get(ref.key) is ref:
+                del tensors[ref.key]
         full = dirty >= 1 or not self._incremental
         kinds = _tensor_types()
         for gen in (None,) if full else range(dirty + 2):
@@ -584,10 +594,13 @@ class Ledger:
             # The tensors among them, picked without a Python step per object (a full scan meets
             # hundreds of thousands of objects, nearly none of them tensors).
             for obj in itertools.compress(found, map(kinds.__contains__, map(type, found))):
-                if id(obj) in tensors:
+                known = tensors.get(id(obj))
+                if known is not None and known() is obj:
                     continue
                 if self._keep(obj):
-                    tensors[id(obj)] = weakref.ref(obj, lambda _ref, key=id(obj): tensors.pop(key, None))
+                    # The callback is deque.append, as for storages: no Python code runs when a tensor dies.
+                    ref = tensors[id(obj)] = _StorageRef(obj, dead.append)
+                    ref.key = id(obj)
                 else:
                     self._read(obj, [])
         obj = found = None
@@ -629,10 +642,6 @@ class Ledger:
                     self._adopt(grad)
         except Exception:  # an exotic tensor type that has no storage to count
             pass
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "stop":
-            self._gc_dirty = max(self._gc_dirty, info.get("generation", 2))
 
     def _adopt(self, t: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(t):
@@ -793,7 +802,7 @@ def _saved_tensors(roots) -> list[torch.Tensor]:
 _SAVED_NAMES: dict[type, list[str]] = {}
 
 INTERRUPTS.protect(Ledger.start, Ledger.stop, Ledger.settle, Ledger.see_storage, Ledger._track, Ledger._allocated,
-                   Ledger._freed, Ledger.adopt_existing, Ledger._on_gc, Ledger.check_request,
+                   Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 
 LEDGER = Ledger()
