@@ -1660,6 +1660,11 @@ class SimulatedDevice:
         self.flush()
         self._alloc_now(key, nbytes, counted)
 
+    def books_at_once(self) -> bool:
+        """Whether the counter must hand over each allocation as it happens: under a cap, the out-of-memory
+        error comes from the allocation that passes it."""
+        return self._alloc.allowed_memory_maximum is not None
+
     def _enqueue(self, key: int, nbytes: int) -> None:
         queue = self._queue
         queue.append((key, nbytes))

@@ -56,6 +56,7 @@ import gc
 import itertools
 import math
 import signal
+import _signal  # signal's own C module: the same handlers, without the enum conversions a block paid 4 times
 import sys
 import threading
 import weakref
@@ -105,7 +106,7 @@ class Tally:
     fake tensors apart by the device they pretend to be on); None counts all.
     """
 
-    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label", "events", "phase", "mode")
+    __slots__ = ("level", "level_unrounded", "peak", "peak_unrounded", "label", "events", "phase", "mode", "eager")
 
     def __init__(self, label: str | None = None) -> None:
         self.level = self.level_unrounded = self.peak = self.peak_unrounded = 0
@@ -113,6 +114,7 @@ class Tally:
         self.events: list | None = None  # (level, phase) after every change, when a timeline is wanted
         self.phase = None  # a callable naming the phase of training (forward, backward, optimizer)
         self.mode = None  # the counting mode of the thread that opened the block
+        self.eager = False  # every allocation booked as it happens (a timeline's phases, a simulated cap)
 
 
 class _DeferredInterrupts:
@@ -145,10 +147,10 @@ class _DeferredInterrupts:
         if threading.current_thread() is not threading.main_thread():
             return
         if self.depth == 0:
-            current = signal.getsignal(signal.SIGINT)
+            current = _signal.getsignal(signal.SIGINT)
             if current is not self._installed:
                 self.previous = current
-                signal.signal(signal.SIGINT, self._installed)
+                _signal.signal(signal.SIGINT, self._installed)
         self.depth += 1
 
     def release(self) -> None:
@@ -157,8 +159,8 @@ class _DeferredInterrupts:
         if threading.current_thread() is not threading.main_thread():
             return
         self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and signal.getsignal(signal.SIGINT) is self._installed:
-            signal.signal(signal.SIGINT, self.previous)
+        if self.depth == 0 and _signal.getsignal(signal.SIGINT) is self._installed:
+            _signal.signal(signal.SIGINT, self.previous)
         self.deliver()
 
     def deliver(self) -> None:
@@ -187,10 +189,17 @@ class _DeferredInterrupts:
 INTERRUPTS = _DeferredInterrupts()
 
 
-class _StorageRef(weakref.ref):
-    """A weak reference to a storage (or a tensor object) that knows the key it is filed under."""
+# A storage's record moves through these states: queued by the counting mode (made, not yet booked), booked
+# (counted live), freed. The same record goes through the ledger's queue twice: once when the storage is made,
+# once when it dies (its weak reference's callback), so the queue keeps allocations and frees in their order.
+_QUEUED, _LIVE, _FREED = 0, 1, 2
 
-    __slots__ = ("key",)
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage (or a tensor object) that knows the key it is filed under, and for a
+    storage its size when made and its state."""
+
+    __slots__ = ("key", "nbytes", "state")
 
 
 class _PerThread(threading.local):
@@ -213,13 +222,51 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if types and any(t not in self.own_types and _dispatches(t) for t in types):
+        if not _PLAIN_TENSORS.issuperset(types) and any(t not in self.own_types and _dispatches(t)
+                                                          for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
                 return func(*args, **kwargs)  # fake tensors hold no memory to count here
             # Another tensor subclass (DTensor...): let it unwrap itself; the ops
             # it runs on plain tensors come back through this mode.
             return NotImplemented
         ledger = self.ledger
+        listener = ledger.listener
+        if ledger.quick and not ledger.limits and (listener is None or not listener.books_at_once()):
+            # The hot path: the op's new storages are queued, booked in order with the frees at the next
+            # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
+            # step comes here, so it is written out: no call but the op and the storage's own methods.
+            out = func(*args, **kwargs)
+            if type(out) in _PLAIN_TENSORS:
+                outs = (out,)
+            elif isinstance(out, (tuple, list)):
+                outs = out
+            else:
+                outs = ()
+                if isinstance(out, torch.Tensor):
+                    self._see_nested(out)
+            for t in outs:
+                if type(t) not in _PLAIN_TENSORS:  # (a parameter comes back from the optimizer's in-place ops)
+                    if isinstance(t, (torch.Tensor, tuple, list)):
+                        self._see_nested(t)
+                    continue
+                if not t.is_cpu or t.layout is not torch.strided:
+                    continue
+                st = t.untyped_storage()
+                key = id(st)
+                known = ledger._refs.get(key)
+                if known is None or known() is not st:
+                    queue = ledger._queue
+                    ref = _StorageRef(st, queue.append)
+                    ref.key, ref.nbytes, ref.state = key, st.nbytes(), _QUEUED
+                    # Queued first: a Ctrl-C between these two lines leaves a record the queue books (and
+                    # books once, should the storage be queued again), never a storage known but not counted.
+                    queue.append(ref)
+                    ledger._refs[key] = ref
+                elif known.nbytes != st.nbytes():
+                    ledger.see_storage(st)  # resized in place (an out= op): booked at once
+            if INTERRUPTS.pending:
+                INTERRUPTS.deliver()
+            return out
         if ledger.limits:
             ledger.check_request(func, args, kwargs)  # refuse before the memory is taken
         try:
@@ -243,6 +290,15 @@ class _CountingMode(TorchDispatchMode):
         if INTERRUPTS.pending:
             INTERRUPTS.deliver()
         return out
+
+    def _see_nested(self, out) -> None:
+        see = self.ledger.see
+        if isinstance(out, torch.Tensor):
+            see(out)
+        else:
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    see(o)
 
 
 def _numel(size) -> int:
@@ -310,6 +366,9 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
     return found
 
 
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # tensor types with nothing of their own to unwrap
+
+
 def _tensor_types() -> frozenset:
     """``torch.Tensor`` and every subclass of it that exists now (an object is a tensor when its type is one)."""
     kinds, todo = {torch.Tensor}, [torch.Tensor]
@@ -369,10 +428,13 @@ class Ledger:
         self.live_by_label: dict[str, int] = {}  # fake ledger: rounded live bytes per device shown
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
         self._refs: dict[int, _StorageRef] = {}
-        # A storage's weak reference puts itself here when the storage dies (deque.append: no Python
-        # code runs, so nothing can interrupt it); the free is counted at the next bookkeeping step,
-        # always before the next allocation, so peaks stay exact.
-        self._dead: collections.deque = collections.deque()
+        # Storages made inside blocks, and storages that died: a storage's record is put here by the counting
+        # mode when the storage is made, and again by its weak reference when it dies (deque.append: no Python
+        # code runs, so nothing can interrupt it). ``settle`` books them in that order before anything reads a
+        # count, so levels and peaks are the same as if each had been booked at once.
+        self._queue: collections.deque = collections.deque()
+        self.quick = not fake  # whether the counting mode may queue (False while a block books eagerly)
+        self._eager = 0  # open blocks that book every allocation as it happens
         self._lock = threading.RLock()  # one thread at a time changes the counts
         self._thread = _PerThread()
         self._pushed: dict[_CountingMode, threading.Thread] = {}  # counting modes on a thread's stack
@@ -383,7 +445,7 @@ class Ledger:
         self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
         self._orig_storage_resize = None
         self._tensors: dict[int, _StorageRef] = {}  # every tensor object found by a scan, by id
-        self._dead_tensors: collections.deque = collections.deque()  # their references, once dead (as _dead)
+        self._dead_tensors: collections.deque = collections.deque()  # their references, once dead (as _queue)
         # Generational scans rely on CPython <= 3.13's three-generation collector.
         self._incremental = sys.version_info < (3, 14)
         # The collector's own count of collections per generation at the last scan (None: none yet, so the
@@ -406,23 +468,40 @@ class Ledger:
         return self._live_rounded
 
     def settle(self) -> None:
-        """Count the frees of storages that died since the last bookkeeping step."""
-        if not self._dead:
+        """Book the storages queued as made, and the frees of storages that died, in the order they happened."""
+        queue = self._queue
+        if not queue:
             return
         with self._lock:
-            dead, refs = self._dead, self._refs
-            while dead:
-                ref = dead[0]
-                key = ref.key
-                if refs.get(key) is ref:  # not a storage whose id was taken again since
+            refs, sizes = self._refs, self.sizes
+            while queue:
+                ref = queue[0]
+                key, state = ref.key, ref.state
+                if state == _QUEUED:  # made inside a block
+                    current = refs.get(key)
+                    if current is not ref:
+                        if current is not None and current.state == _LIVE and current() is not None \
+                                and current() is ref():  # queued again after an interrupted record
+                            ref.state = _FREED
+                            queue.popleft()
+                            continue
+                        refs[key] = ref
+                    if self.listener is not None:
+                        self.listener.on_alloc(key, ref.nbytes, True)
+                    ref.state = _LIVE
+                    sizes[key] = ref.nbytes
+                    self._allocated(ref.nbytes)
+                elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
+                    ref.state = _FREED
+                    if refs.get(key) is ref:
+                        del refs[key]
                     if self.listener is not None:
                         self.listener.on_free(key)
-                    nbytes = self.sizes.pop(key, 0)
+                    nbytes = sizes.pop(key, 0)
                     label = self.labels.pop(key, None)
-                    del refs[key]
                     if nbytes:
                         self._freed(nbytes, label)
-                dead.popleft()
+                queue.popleft()
 
     def _allocated(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
@@ -460,8 +539,8 @@ class Ledger:
         key = id(storage)
         if self.listener is not None:  # first: a simulated OOM leaves the storage untracked
             self.listener.on_alloc(key, nbytes, counted)
-        ref = _StorageRef(storage, self._dead.append)
-        ref.key = key
+        ref = _StorageRef(storage, self._queue.append)
+        ref.key, ref.nbytes, ref.state = key, nbytes, _LIVE
         self._refs[key] = ref
         self.sizes[key] = nbytes
         if label is not None:
@@ -497,7 +576,7 @@ class Ledger:
                 if self.listener is not None:
                     self.listener.on_free(key)
                 self._freed(self.sizes.pop(key), self.labels.pop(key, None))
-                del self._refs[key]
+                self._refs.pop(key).state = _FREED  # its death, still to come through the queue, is not counted
                 known = None
             if known is None:
                 error = self._over_budget(nbytes)
@@ -508,7 +587,7 @@ class Ledger:
                 if self.listener is not None:
                     self.listener.on_resize(key, nbytes)
                 label = self.labels.get(key)
-                self.sizes[key] = nbytes
+                self.sizes[key] = self._refs[key].nbytes = nbytes
                 self._allocated(nbytes, label)
                 self._freed(known, label)
             else:
@@ -644,6 +723,12 @@ class Ledger:
             pass
 
     def _adopt(self, t: torch.Tensor) -> None:
+        if type(t) in _PLAIN_TENSORS and not self.fake:  # every block re-reads each known tensor: the common case
+            if t.is_cpu and t.layout is torch.strided:
+                st = t.untyped_storage()
+                if id(st) not in self.sizes:
+                    self._track(st, st.nbytes(), counted=False)
+            return
         if is_traceable_wrapper_subclass(t):
             for name in t.__tensor_flatten__()[0]:
                 inner = getattr(t, name)
@@ -661,16 +746,20 @@ class Ledger:
 
     # -- turning the counter on and off ------------------------------------------
 
-    def start(self, label: str | None = None) -> Tally:
+    def start(self, label: str | None = None, *, eager: bool = False) -> Tally:
         """Begin a measured block: returns its tally (of one device type, or all), updated until ``stop``.
 
         The block counts the process: what every thread inside a block allocates, and every
         free. This thread's counting mode is pushed on its own mode stack if it has none yet.
+        ``eager``: book every allocation the moment it happens, not at the next bookkeeping step (a
+        timeline tags each change with the phase of training; a simulated cap must fail the allocation
+        that passes it); while such a block is open, every block books so.
         """
         with self._lock:
             self.settle()
             self.adopt_existing()
             tally = Tally(label)
+            tally.eager = eager
             self._forget_dead_threads()
             mode = self._thread.mode
             if mode is None:
@@ -689,6 +778,9 @@ class Ledger:
             mode.blocks += 1
             tally.mode = mode
             self.tallies.append(tally)
+            if eager:
+                self._eager += 1
+                self.quick = False
         return tally
 
     def stop(self, tally: Tally) -> None:
@@ -703,6 +795,9 @@ class Ledger:
             if not any(t is tally for t in self.tallies):
                 return
             self.tallies = [t for t in self.tallies if t is not tally]
+            if tally.eager:
+                self._eager -= 1
+                self.quick = not self.fake and self._eager == 0
             mode = tally.mode
             mode.blocks -= 1
             if mode is self._thread.mode and mode.blocks == 0:

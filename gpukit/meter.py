@@ -110,7 +110,8 @@ class _LedgerMeter:
 
     def start(self, report: MemoryReport) -> None:
         sim = cpu_device() if self.ledger is LEDGER else None  # reserved memory, simulated (gpukit.allocator)
-        self.tally = tally = self.ledger.start(label=self.label)
+        # A timeline tags each change with the phase it happened in: booked as it happens.
+        self.tally = tally = self.ledger.start(label=self.label, eager=self.phases is not None)
         if self.phases is not None:
             tally.events, tally.phase = [], self.phases
         ledger = self.ledger

@@ -319,3 +319,47 @@ def test_html_tables_escape_what_a_user_wrote():
 
     table = html_table([("<b>", "1 < 2", "&")], columns=("a", "b", "c"))
     assert "<b>" not in table.replace("<tbody>", "") and "1 &lt; 2" in table and "&amp;" in table
+
+
+# The counting mode queues each new storage; Ledger.settle books it, in order with the frees, before
+# anything reads a count. These pin what the queue must keep exact.
+
+def test_storages_made_and_freed_before_they_are_booked_give_the_exact_peak():
+    """Device: cpu. Each storage dies before the next is made (their ids are taken again), all before the
+    block reads a count: the peak is the largest one alone, the delta zero."""
+    sizes = [1000, 70_000, 3, 4096, 12_345, 70_000]
+    with gpukit.measure(device="cpu", record=False) as r:
+        for n in sizes:
+            t = torch.empty(n, dtype=torch.uint8)
+            del t
+    assert (r.peak, r.delta) == (round_up(70_000), 0)
+
+
+def test_outputs_that_are_parameters_or_several_tensors_are_counted_once():
+    """Device: cpu. The optimizer's in-place ops return the parameter itself (nothing new); ``max(dim=)``
+    returns two new tensors."""
+    p = torch.nn.Parameter(torch.ones(1000))
+    x = torch.ones(300, 7)
+    with gpukit.measure(device="cpu", record=False) as r:
+        with torch.no_grad():
+            assert p.add_(1) is p
+        values, indices = torch.max(x, dim=0)
+    assert r.delta == round_up(7 * 4) + round_up(7 * 8)
+
+
+def test_a_storage_queued_twice_is_booked_once():
+    """Device: cpu. A Ctrl-C between queueing a storage and filing it leaves it queued but unknown, so a
+    later op queues it again: the second record must not count it twice (nor its free)."""
+    from gpukit.counter import _QUEUED, _StorageRef
+
+    with gpukit.measure(device="cpu", record=False) as r:
+        t = torch.empty(1000)
+        LEDGER.settle()
+        st = t.untyped_storage()
+        again = _StorageRef(st, LEDGER._queue.append)
+        again.key, again.nbytes, again.state = id(st), st.nbytes(), _QUEUED
+        LEDGER._queue.append(again)
+        LEDGER.settle()
+        assert LEDGER.live_rounded - r.live_start == round_up(4000)
+        del t, st
+    assert (r.peak, r.delta) == (round_up(4000), 0)
