@@ -63,7 +63,7 @@ import weakref
 import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
-                     is_traceable_wrapper_subclass, set_storage_resize, storage_resize)
+                     is_traceable_wrapper_subclass, never_traced, set_storage_resize, storage_resize)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -211,7 +211,14 @@ class _CountingMode(TorchDispatchMode):
         self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
         self.blocks = 0  # blocks open on this mode's thread
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Not wrapped in torch._disable_dynamo, whose two frames would sit in every traceback of a budget's
+        # OutOfMemoryError between the user's line and gpukit's; dynamo skips this code instead (below).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = True  # IPython and pytest end a budget's OutOfMemoryError at the user's op
         kwargs = kwargs or {}
         if types and any(t not in self.own_types and _dispatches(t) for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
@@ -243,6 +250,9 @@ class _CountingMode(TorchDispatchMode):
         if INTERRUPTS.pending:
             INTERRUPTS.deliver()
         return out
+
+
+never_traced(_CountingMode.__torch_dispatch__.__code__)
 
 
 def _numel(size) -> int:
@@ -514,8 +524,9 @@ class Ledger:
             else:
                 return
         if error is not None:
+            __tracebackhide__ = True
             try:
-                raise error
+                raise error  # a gpukit budget refused the op on your last line above
             finally:
                 error = None  # no cycle: the traceback holds this frame, which would hold the error
 
@@ -545,13 +556,15 @@ class Ledger:
             self.settle()
             error = self._over_budget(nbytes)
             if error is not None:
+                __tracebackhide__ = True
                 try:
-                    raise error
+                    raise error  # a gpukit budget refused the op on your last line above
                 finally:
                     error = None  # no cycle: the traceback holds this frame, which would hold the error
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
+        __tracebackhide__ = True
         if type(t) is torch.Tensor and not self.fake:  # the common case, checked cheaply
             if not t.is_cpu or t.layout is not torch.strided:
                 return
@@ -736,8 +749,9 @@ class Ledger:
                     ledger.settle()
                     error = ledger._over_budget(size)
                     if error is not None:
+                        __tracebackhide__ = True
                         try:
-                            raise error
+                            raise error  # a gpukit budget refused the op on your last line above
                         finally:
                             error = None  # no cycle: the traceback holds this frame, which would hold the error
             result = original(storage, size)

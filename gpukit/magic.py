@@ -107,6 +107,7 @@ class GpuMemMagics(Magics):
         Line:  %gpumem [options] STATEMENT      (put -- before a statement that starts with '-')
         Cell:  %%gpumem [options]  on the first line of a cell
         """
+        __tracebackhide__ = True  # an error in the cell shows the cell's line, not the magic's frames
         try:
             if cell is None:
                 flags, code = split_line(line)
@@ -153,6 +154,7 @@ class GpuMemMagics(Magics):
 
     def _run(self, code: str, local_ns: dict | None):
         """Run ``code`` as IPython would; return the value of a final expression."""
+        __tracebackhide__ = True
         shell = self.shell
         source = shell.transform_cell(code)
         # Registered with IPython's line cache, so that a traceback shows the cell's failing line.

@@ -1,6 +1,8 @@
 """gpukit.budget on CPU: a real torch.OutOfMemoryError at the right byte, and clean recovery."""
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
@@ -212,3 +214,30 @@ def test_a_refused_step_frees_its_tensors_when_the_error_is_dropped_without_a_ga
         assert r.delta == 0
     finally:
         gc.enable()
+
+
+# -- what a user sees when a budget refuses an op ------------------------------------------------------------
+
+def visible_frames(tb):
+    """The traceback's frames that pytest and IPython show: those without ``__tracebackhide__``."""
+    frames = []
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__"):
+            frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+@pytest.mark.parametrize("op", ["announced", "found after it ran"])
+def test_an_out_of_memory_traceback_ends_at_the_users_op_with_no_dynamo_frames(op):
+    base = torch.ones(1)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        with gpukit.budget(live_now() + 1_000_000, "cpu"):
+            line = sys._getframe().f_lineno + 1
+            torch.empty(1_000_000) if op == "announced" else base.expand(1_000_000).contiguous()
+    tb, every = err.value.__traceback__, []
+    assert visible_frames(tb)[-1] == (__file__, line)
+    while tb is not None:
+        every.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert not [f for f in every if "torch" + os.sep in f]  # torch._disable_dynamo's wrappers are gone

@@ -1,5 +1,8 @@
 """%gpumem and %%gpumem, run through a real IPython shell."""
 
+import os
+import re
+
 import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
@@ -195,3 +198,22 @@ def test_the_options_are_declared_once_and_both_parsers_follow_the_declaration(s
             assert split_line(f"{flags[0]} 'a b' y = 1") == ([flags[0], "a b"], "y = 1")
         else:
             assert split_line(f"{flags[0]} y = 1") == ([flags[0]], "y = 1")
+
+
+@pytest.mark.parametrize("cell", [
+    "with gpukit.budget(1, 'cpu'):\n    y = torch.ones(1000)  # the user's op\n",
+    "%%gpumem --device cpu --budget 1\ny = torch.ones(1000)  # the user's op\n",
+], ids=["budget", "%%gpumem --budget"])
+def test_an_out_of_memory_traceback_in_ipython_shows_the_users_op_and_one_frame_of_gpukit(shell, capsys, cell):
+    """IPython hides frames with ``__tracebackhide__`` but always shows the one that raised (ultratb's last
+    record): the user's op, then gpukit's single raising line; no frame of torch, dynamo or the magic."""
+    run(shell, "import gpukit")
+    result = run(shell, cell)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    text = capsys.readouterr()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text.out + text.err)
+    assert "----> 2     y = torch.ones(1000)  # the user's op" in text or "----> 1 y = torch.ones(1000)" in text
+    files = re.findall(r"^File (\S+):\d+", text, re.M)
+    assert len(files) == 1 and files[0].endswith(os.path.join("gpukit", "counter.py"))
+    assert "a gpukit budget refused the op on your last line above" in text
+    assert "_dynamo" not in text and "magic.py" not in text
