@@ -514,7 +514,7 @@ class Ledger:
                 self._track(st, nbytes, counted=True, label=label)
             elif known != nbytes:
                 # Like the allocator: the new block exists before the old one is freed.
-                error = self._over_budget(nbytes)
+                error = self._over_budget(nbytes, st)
                 if self.listener is not None:
                     self.listener.on_resize(key, nbytes)
                 label = self.labels.get(key)
@@ -530,17 +530,27 @@ class Ledger:
             finally:
                 error = None  # no cycle: the traceback holds this frame, which would hold the error
 
-    def _over_budget(self, nbytes: int) -> torch.OutOfMemoryError | None:
+    def _over_budget(self, nbytes: int, storage: torch.UntypedStorage | None = None
+                     ) -> torch.OutOfMemoryError | None:
+        """The error for ``nbytes`` more (a new storage, or ``storage`` at its new size), or None if they fit."""
         if not self.limits:
             return None
-        limit, want = min(self.limits), round_up(nbytes)
-        if self._live_rounded + want <= limit:
+        want, live, tightest = round_up(nbytes), self._live_rounded, None
+        for cap in self.limits:
+            # A cap may leave storages out: those gpukit.budget(host=...) says a GPU run keeps in host memory.
+            host = cap.host_bytes(self) if hasattr(cap, "host_bytes") else 0
+            if host and storage is not None and cap.holds(storage):
+                continue  # host memory that grows is not the device's
+            if tightest is None or cap - live + host < tightest[0]:
+                tightest = (cap - live + host, cap, host)
+        if tightest is None or want <= tightest[0]:
             return None
-        free = max(limit - self._live_rounded, 0)
+        room, limit, host = tightest
+        on_host = f" (not counting {_fmt(host)} on the host)" if host else ""
         return torch.OutOfMemoryError(
             f"out of memory under a gpukit budget ({'fake tensors' if self.fake else 'CPU, simulated'}). "
-            f"Tried to allocate {_fmt(want)}; {_fmt(self._live_rounded)} already allocated; "
-            f"budget {_fmt(limit)}, of which {_fmt(free)} free.")
+            f"Tried to allocate {_fmt(want)}; {_fmt(live - host)} already allocated{on_host}; "
+            f"budget {_fmt(int(limit))}, of which {_fmt(max(room, 0))} free.")
 
     def check_request(self, func, args, kwargs) -> None:
         """Refuse an op, before it runs, whose arguments ask for more memory than the budget leaves.
@@ -554,7 +564,7 @@ class Ledger:
             if storage is not None and nbytes <= storage.nbytes():
                 continue  # fits in the storage it has
             self.settle()
-            error = self._over_budget(nbytes)
+            error = self._over_budget(nbytes, storage)
             if error is not None:
                 __tracebackhide__ = True
                 try:
@@ -747,7 +757,7 @@ class Ledger:
                         ledger._track(storage, storage.nbytes(), counted=False)
                 if ledger.limits and size > storage.nbytes():
                     ledger.settle()
-                    error = ledger._over_budget(size)
+                    error = ledger._over_budget(size, storage)
                     if error is not None:
                         __tracebackhide__ = True
                         try:
