@@ -311,8 +311,28 @@ def never_traced(code) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
+def dynamo_code_in_question(depth: int):
+    """The code whose frame dynamo is deciding whether to trace, read from the frame ``depth`` levels up: a
+    ``CatchErrorsWrapper.__call__(self, frame, ...)`` (torch/_dynamo/convert_frame.py); None elsewhere."""
+    import sys
+
+    try:
+        return sys._getframe(depth + 1).f_locals["frame"].f_code
+    except (KeyError, AttributeError, ValueError):
+        return None
+
+
+def let_dynamo_trace_again(code) -> None:
+    """Undo the skip dynamo files on ``code`` when it declines a frame (a ``ConvertFrameReturn`` defaults to
+    FrameExecStrategy(SKIP, DEFAULT) with ``apply_to_code``, torch/_dynamo/types.py): every later call of that
+    code, in any module, runs eagerly until ``torch._dynamo.reset()``. DEFAULT is what such a code had, since
+    dynamo's callback never sees code with another strategy (torch/csrc/dynamo/eval_frame_cpp.cpp)."""
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+
+
 __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "DataDependentOutputException",
            "FakeTensor", "FakeTensorMode", "MemTracker", "MemTrackerThatLetsGo", "ModTrackerThatLetsGo", "StepTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
-           "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced"]
+           "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
+           "dynamo_code_in_question", "let_dynamo_trace_again"]

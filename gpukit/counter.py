@@ -63,7 +63,8 @@ import weakref
 import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
-                     is_traceable_wrapper_subclass, never_traced, set_storage_resize, storage_resize)
+                     dynamo_code_in_question, is_traceable_wrapper_subclass, let_dynamo_trace_again, never_traced,
+                     set_storage_resize, storage_resize)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -210,6 +211,35 @@ class _CountingMode(TorchDispatchMode):
         self.ledger = ledger
         self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
         self.blocks = 0  # blocks open on this mode's thread
+        self.saw_compile = False  # torch.compile ran eagerly under this mode (warned once)
+        self.declined: set = set()  # code objects dynamo declined to trace because this mode was on
+
+    def ignore_compile_internals(self) -> bool:
+        """False, as for every mode (torch/utils/_python_dispatch.py): torch.compile then runs eagerly.
+
+        Dynamo asks this of each mode on the stack before it traces a frame (``any_torch_dispatch_mode_on_stack``
+        in ``CatchErrorsWrapper.__call__``, torch/_dynamo/convert_frame.py), and skips the frame while a mode
+        that does not ignore it is on: a call here while a block is open means torch.compile ran eagerly in it.
+        The codes it skips are noted, to let dynamo trace them again once the mode is off (``__exit__``).
+        """
+        if self.blocks:
+            code = dynamo_code_in_question(2)  # here <- any_torch_dispatch_mode_on_stack <- CatchErrorsWrapper
+            if code is not None:
+                self.declined.add(code)
+            if not self.saw_compile:
+                self.saw_compile = True
+                from .meter import warn_compile_ran_eagerly
+
+                warn_compile_ran_eagerly()
+        return False
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            declined, self.declined = self.declined, set()
+            for code in declined:
+                let_dynamo_trace_again(code)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

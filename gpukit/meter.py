@@ -33,6 +33,10 @@ CUDA_BACKEND = "CUDA caching allocator"
 SIMULATED_BACKEND = "fake-tensor counter (a simulated device: nothing is allocated)"
 
 
+class CompileRanEagerWarning(UserWarning):
+    """``torch.compile`` ran eagerly inside a measured CPU block, so the block measured the eager program."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn``, called from here, that names the innermost frame outside
     torch, gpukit and IPython (whose magics run a cell): the user's line, however deep the warning is found."""
@@ -42,6 +46,17 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_compile_ran_eagerly() -> None:
+    """Warn that torch.compile ran eagerly in a measured CPU block (once per block; see _CountingMode)."""
+    warnings.warn(
+        "torch.compile ran eagerly inside a gpukit block on the CPU: dynamo does not compile while a "
+        "TorchDispatchMode is active, and gpukit counts CPU memory with one. So the figures are those of the "
+        "eager program, not of the compiled graph (whose fused kernels may skip intermediate tensors). Measure the "
+        "compiled model on a GPU, or compare without torch.compile. After the block torch.compile compiles "
+        "as before.",
+        CompileRanEagerWarning, stacklevel=user_stacklevel())
 
 
 def default_device() -> torch.device:
