@@ -211,7 +211,7 @@ class budget:
             f"{self!r} is already exceeded as it opens: {format_bytes(used)} of CPU tensors are allocated"
             f"{on_host}, so the block's first allocation will fail. The largest storages: {sizes}. A CPU budget "
             f"counts every CPU tensor of the process; name what a GPU run would keep in host memory (a dataset) "
-            f"with budget(..., host=data) to leave it out.", BudgetWarning, stacklevel=user_stacklevel())
+            f"with budget(..., host=data) (%%gpumem: --host data) to leave it out.", BudgetWarning, stacklevel=user_stacklevel())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:

@@ -200,6 +200,33 @@ def test_the_options_are_declared_once_and_both_parsers_follow_the_declaration(s
             assert split_line(f"{flags[0]} y = 1") == ([flags[0]], "y = 1")
 
 
+def test_host_flag_leaves_the_named_variables_out_of_the_budget(shell):
+    import gc
+
+    run(shell, "data = torch.ones(8_000_000)")                # 32 MB, in memory before the cell
+    gc.collect()
+    with gpukit.measure("cpu", record=False) as now:
+        pass
+    limit = now.live_end - 32_000_000 + 1_000_000               # 1 MB besides the rest of the process
+    cell = "%%gpumem --device cpu -q --budget {} {}\nbatch = data[:1000].clone()"
+    assert run(shell, cell.format(limit, "--host data")).success
+    with pytest.warns(gpukit.BudgetWarning, match="--host data") as warned:
+        assert isinstance(run(shell, cell.format(limit, "")).error_in_exec, torch.OutOfMemoryError)
+    assert warned[0].filename.startswith("<ipython-input")  # the cell, not IPython's or gpukit's code
+    assert LEDGER.limits == [] and not LEDGER.active
+
+
+@pytest.mark.parametrize("line, says", [
+    ("%%gpumem --device cpu --host data", "--host names what a --budget leaves out"),
+    ("%%gpumem --device cpu --budget 1GB --host nothing_here", "--host: no variable named 'nothing_here'"),
+])
+def test_host_flag_misuse_says_what_is_wrong(shell, capsys, line, says):
+    run(shell, f"data = torch.ones(10)\n")
+    run(shell, f"{line}\nran = True")
+    assert says in capsys.readouterr().err
+    assert "ran" not in shell.user_ns
+
+
 @pytest.mark.parametrize("cell", [
     "with gpukit.budget(1, 'cpu'):\n    y = torch.ones(1000)  # the user's op\n",
     "%%gpumem --device cpu --budget 1\ny = torch.ones(1000)  # the user's op\n",
