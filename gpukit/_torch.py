@@ -295,15 +295,15 @@ def set_storage_resize(function) -> None:
 # TorchDispatchMode.__init_subclass__ (torch/utils/_python_dispatch.py) wraps a mode's __torch_dispatch__ in
 # torch._disable_dynamo, so that dynamo never traces it: two wrapper frames (torch/_compile.py ``inner``,
 # torch/_dynamo/eval_frame.py ``_fn``) on every op, and in the traceback of every error the mode raises. A mode
-# that opts out (``_should_skip_dynamo``) instead marks its code here as dynamo's ``torch._dynamo.disable``
-# would without a wrapper: a frame of that code, and every frame it calls, runs without dynamo
-# (FrameAction.SKIP for the frame and recursively; torch/_dynamo/types.py, torch/csrc/dynamo/eval_frame_cpp.cpp).
+# that opts out (``_should_skip_dynamo``; a torch without that hook has no wrapper to opt out of) instead marks
+# its code here as dynamo's ``torch._dynamo.disable`` would without a wrapper: a frame of that code, and every
+# frame it calls, runs without dynamo (FrameAction.SKIP for the frame and recursively; torch/_dynamo/types.py,
+# torch/csrc/dynamo/eval_frame_cpp.cpp).
 try:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 except ImportError as err:
     raise UnsupportedTorch(f"torch {torch.__version__}: {err}; gpukit was checked on torch "
                            f"{CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]}") from err
-_require(TorchDispatchMode, "_should_skip_dynamo", "TorchDispatchMode")
 
 
 def never_traced(code) -> None:
