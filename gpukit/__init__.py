@@ -8,16 +8,16 @@
 In Jupyter: ``%load_ext gpukit``, then ``%%gpumem`` on any cell.
 """
 
-from .budget import budget
+from .budget import BudgetWarning, budget
 from .counter import allocated_size, allocated_size_range
 from .plan import plan
-from .meter import measure, resolve_device
+from .meter import CompileRanEagerWarning, measure, resolve_device
 from .report import MemoryReport, clear_history, format_bytes, history, keep_history, last, parse_bytes
 from .traffic import Traffic, copies
 from .warmup import warm_up
 
 __version__ = "0.1.0"
-__all__ = ["measure", "budget", "plan", "allocated_size", "allocated_size_range", "warm_up", "copies", "Traffic",
+__all__ = ["measure", "budget", "BudgetWarning", "CompileRanEagerWarning", "plan", "allocated_size", "allocated_size_range", "warm_up", "copies", "Traffic",
            "MemoryReport", "history", "last", "keep_history",
            "clear_history", "format_bytes",
            "parse_bytes", "resolve_device", "load_ipython_extension"]

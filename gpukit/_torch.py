@@ -291,8 +291,48 @@ def set_storage_resize(function) -> None:
     torch.UntypedStorage.resize_ = function
 
 
+# --- torch.compile (dynamo) and the counting mode ------------------------------------------------------------
+# TorchDispatchMode.__init_subclass__ (torch/utils/_python_dispatch.py) wraps a mode's __torch_dispatch__ in
+# torch._disable_dynamo, so that dynamo never traces it: two wrapper frames (torch/_compile.py ``inner``,
+# torch/_dynamo/eval_frame.py ``_fn``) on every op, and in the traceback of every error the mode raises. A mode
+# that opts out (``_should_skip_dynamo``; a torch without that hook has no wrapper to opt out of) instead marks
+# its code here as dynamo's ``torch._dynamo.disable`` would without a wrapper: a frame of that code, and every
+# frame it calls, runs without dynamo (FrameAction.SKIP for the frame and recursively; torch/_dynamo/types.py,
+# torch/csrc/dynamo/eval_frame_cpp.cpp).
+try:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+except ImportError as err:
+    raise UnsupportedTorch(f"torch {torch.__version__}: {err}; gpukit was checked on torch "
+                           f"{CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]}") from err
+
+
+def never_traced(code) -> None:
+    """Make dynamo run frames of ``code``, and all they call, as plain Python (no wrapper frame)."""
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+
+def dynamo_code_in_question(depth: int):
+    """The code whose frame dynamo is deciding whether to trace, read from the frame ``depth`` levels up: a
+    ``CatchErrorsWrapper.__call__(self, frame, ...)`` (torch/_dynamo/convert_frame.py); None elsewhere."""
+    import sys
+
+    try:
+        return sys._getframe(depth + 1).f_locals["frame"].f_code
+    except (KeyError, AttributeError, ValueError):
+        return None
+
+
+def let_dynamo_trace_again(code) -> None:
+    """Undo the skip dynamo files on ``code`` when it declines a frame (a ``ConvertFrameReturn`` defaults to
+    FrameExecStrategy(SKIP, DEFAULT) with ``apply_to_code``, torch/_dynamo/types.py): every later call of that
+    code, in any module, runs eagerly until ``torch._dynamo.reset()``. DEFAULT is what such a code had, since
+    dynamo's callback never sees code with another strategy (torch/csrc/dynamo/eval_frame_cpp.cpp)."""
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+
+
 __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "DataDependentOutputException",
            "FakeTensor", "FakeTensorMode", "MemTracker", "MemTrackerThatLetsGo", "ModTrackerThatLetsGo", "StepTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
-           "set_storage_resize", "ScalerThatAlwaysSteps"]
+           "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
+           "dynamo_code_in_question", "let_dynamo_trace_again"]

@@ -16,15 +16,80 @@ size with no fragmentation. With ``reserved=True`` the cap applies instead to th
 reserved memory of the simulated caching allocator that follows the CPU tensors
 (gpukit.allocator), as ``set_per_process_memory_fraction`` does on CUDA: fragmentation
 and the cache count, and the error carries CUDA's message.
+
+A CPU budget counts every CPU tensor of the process, so data that a GPU run keeps in
+host memory (a dataset loaded as a tensor) would count against it. Name it with
+``host=``: its storages are left out of the cap while they live, and what the
+block copies out of them (``data[idx].clone()``, the stand-in for ``.to("cuda")``) is
+counted as device memory. A budget that is already exceeded when it opens warns
+(``BudgetWarning``) with the largest storages, before the first allocation fails.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import heapq
+import warnings
+import weakref
+
 import torch
 
-from .counter import INTERRUPTS, LEDGER
-from .meter import resolve_device
+from ._torch import is_traceable_wrapper_subclass
+from .counter import INTERRUPTS, LEDGER, round_up
+from .meter import resolve_device, user_stacklevel
 from .report import format_bytes, parse_bytes
+
+
+class BudgetWarning(UserWarning):
+    """A budget that the memory already in use exceeds when its block opens."""
+
+
+class _Cap(int):
+    """A CPU budget's limit on ``LEDGER.limits``, with the storages it leaves out (``host=``)."""
+
+    def __new__(cls, limit: int, storages: dict[int, weakref.ref]) -> "_Cap":
+        cap = super().__new__(cls, limit)
+        cap.storages = storages
+        return cap
+
+    def host_bytes(self, ledger) -> int:
+        """Rounded bytes of the host storages that are alive and counted by ``ledger`` now (a storage that died
+        leaves both; one resized counts at its new size; a new storage that took a dead one's id is not one)."""
+        total, refs, sizes = 0, ledger._refs, ledger.sizes
+        for key, ref in self.storages.items():
+            known = refs.get(key)
+            if known is not None and known() is ref() is not None:
+                total += round_up(sizes[key])
+        return total
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        ref = self.storages.get(id(storage))
+        return ref is not None and ref() is storage
+
+
+def _host_storages(obj, found: dict[int, weakref.ref]) -> None:
+    """The CPU storages of every tensor in ``obj``: a tensor (and its ``.grad``), a module's parameters and
+    buffers, an optimizer's state, and dicts, lists, tuples and sets of these; other leaves are ignored."""
+    if isinstance(obj, torch.Tensor):
+        if is_traceable_wrapper_subclass(obj):
+            for name in obj.__tensor_flatten__()[0]:
+                _host_storages(getattr(obj, name), found)
+        elif obj.layout is torch.strided and obj.device.type == "cpu":
+            st = obj.untyped_storage()
+            found[id(st)] = weakref.ref(st)
+        if obj.is_leaf and obj.grad is not None:
+            _host_storages(obj.grad, found)
+    elif isinstance(obj, torch.nn.Module):
+        for t in (*obj.parameters(), *obj.buffers()):
+            _host_storages(t, found)
+    elif isinstance(obj, torch.optim.Optimizer):
+        _host_storages(list(obj.state.values()), found)
+    elif isinstance(obj, collections.abc.Mapping):
+        for v in obj.values():
+            _host_storages(v, found)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _host_storages(v, found)
 
 
 class budget:
@@ -33,13 +98,24 @@ class budget:
     Args:
         limit: bytes, or a size such as ``"4GB"``, ``"512 MiB"``.
         device: ``'cpu'``, ``'cuda'``, ``'cuda:N'``; default the GPU if there is one, else the CPU.
+        host: CPU only: what a GPU run would keep in host memory, so that it does not count against the cap:
+            a tensor, a module, an optimizer, or any dict, list or tuple of these (a dataset's tensors, say).
+            The storages are read when the block opens; views of them share them and add nothing, a copy made
+            in the block counts, one that dies or is resized in the block leaves or follows the cap's
+            figures. Budgets nested inside this one leave the same storages out. On CUDA CPU tensors never
+            count, and ``host`` changes nothing.
+        reserved: CPU only: cap the reserved memory of the simulated caching allocator (gpukit.allocator).
+
+    Warns:
+        BudgetWarning: when the memory in use as the block opens (less ``host``) already exceeds the budget,
+            with the largest storages' sizes.
 
     Raises:
-        ValueError: for a size or device that is not one.
+        ValueError: for a size or device that is not one; ``host`` with ``reserved=True``, or holding no tensor.
     """
 
     def __init__(self, limit: int | float | str, device: str | torch.device | None = None, *,
-                 reserved: bool = False) -> None:
+                 host=None, reserved: bool = False) -> None:
         self.limit = parse_bytes(limit)
         self.device = resolve_device(device)
         if self.device.type not in ("cpu", "cuda"):
@@ -49,6 +125,16 @@ class budget:
         if reserved and self.device.type != "cpu":
             raise ValueError("reserved=True caps the simulated allocator behind the CPU counter; on CUDA "
                              "budget() always caps reserved memory (set_per_process_memory_fraction)")
+        self._host: dict[int, weakref.ref] = {}
+        if host is not None:
+            if reserved:
+                raise ValueError("host= is not available with reserved=True: the simulated allocator reserves "
+                                 "segments for the host storages too")
+            _host_storages(host, self._host)
+            if not self._host and self.device.type == "cpu":
+                raise ValueError(f"host= holds no CPU tensor: give a tensor, a module, an optimizer, or a dict, "
+                                 f"list or tuple of them (for a TensorDataset, its .tensors), not "
+                                 f"{type(host).__name__}")
         self._entered = False
 
     def __repr__(self) -> str:
@@ -59,7 +145,7 @@ class budget:
             raise RuntimeError("a budget() object is used once; make a new one for each block")
         self._entered = True
         INTERRUPTS.hold()  # from here on, Ctrl-C waits until the cap is fully on, or fully off
-        self._tally = self._previous = self._sim = None
+        self._tally = self._previous = self._sim = self._cap = None
         try:
             if self.device.type == "cpu" and self.reserved:
                 from .allocator import cpu_device
@@ -74,7 +160,12 @@ class budget:
                 self._sim, self._previous = sim.allocator, previous
             elif self.device.type == "cpu":
                 self._tally = LEDGER.start()
-                LEDGER.limits.append(self.limit)
+                host = dict(self._host)
+                for outer in LEDGER.limits:  # what an enclosing budget keeps on the host stays there
+                    host.update(getattr(outer, "storages", {}))
+                self._cap = _Cap(self.limit, host)
+                LEDGER.limits.append(self._cap)
+                self._warn_if_already_over()
             else:
                 index = self.device.index
                 total = torch.cuda.get_device_properties(index).total_memory
@@ -98,15 +189,29 @@ class budget:
                 sim.allowed_memory_maximum = self._previous
             if self._tally is not None:
                 tally, self._tally = self._tally, None
-                if not self.reserved:
-                    try:
-                        LEDGER.limits.remove(self.limit)
-                    except ValueError:  # the cap was not on yet
-                        pass
+                if not self.reserved:  # this budget's cap, if it was on yet (an equal limit may be another's)
+                    LEDGER.limits[:] = [c for c in LEDGER.limits if c is not self._cap]
                 LEDGER.stop(tally)
         elif self._previous is not None:
             previous, self._previous = self._previous, None
             torch.cuda.set_per_process_memory_fraction(previous, self.device.index)
+
+    def _warn_if_already_over(self) -> None:
+        with LEDGER._lock:
+            LEDGER.settle()
+            host = self._cap.host_bytes(LEDGER)
+            used = LEDGER.live_rounded - host
+            if used <= self.limit:
+                return
+            keep = self._cap.storages
+            largest = heapq.nlargest(3, (n for key, n in LEDGER.sizes.items() if key not in keep))
+        sizes = ", ".join(format_bytes(round_up(n)) for n in largest)
+        on_host = f" (not counting {format_bytes(host)} on the host)" if host else ""
+        warnings.warn(
+            f"{self!r} is already exceeded as it opens: {format_bytes(used)} of CPU tensors are allocated"
+            f"{on_host}, so the block's first allocation will fail. The largest storages: {sizes}. A CPU budget "
+            f"counts every CPU tensor of the process; name what a GPU run would keep in host memory (a dataset) "
+            f"with budget(..., host=data) (%%gpumem: --host data) to leave it out.", BudgetWarning, stacklevel=user_stacklevel())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -116,4 +221,4 @@ class budget:
         return False
 
 
-INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo)
+INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo, budget._warn_if_already_over)

@@ -64,7 +64,8 @@ import weakref
 import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
-                     is_traceable_wrapper_subclass, set_storage_resize, storage_resize)
+                     dynamo_code_in_question, is_traceable_wrapper_subclass, let_dynamo_trace_again, never_traced,
+                     set_storage_resize, storage_resize)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -219,8 +220,44 @@ class _CountingMode(TorchDispatchMode):
         self.ledger = ledger
         self.own_types = (torch.Tensor, FakeTensor) if ledger.fake else (torch.Tensor,)
         self.blocks = 0  # blocks open on this mode's thread
+        self.saw_compile = False  # torch.compile ran eagerly under this mode (warned once)
+        self.declined: set = set()  # code objects dynamo declined to trace because this mode was on
+
+    def ignore_compile_internals(self) -> bool:
+        """False, as for every mode (torch/utils/_python_dispatch.py): torch.compile then runs eagerly.
+
+        Dynamo asks this of each mode on the stack before it traces a frame (``any_torch_dispatch_mode_on_stack``
+        in ``CatchErrorsWrapper.__call__``, torch/_dynamo/convert_frame.py), and skips the frame while a mode
+        that does not ignore it is on: a call here while a block is open means torch.compile ran eagerly in it.
+        The codes it skips are noted, to let dynamo trace them again once the mode is off (``__exit__``).
+        """
+        if self.blocks:
+            code = dynamo_code_in_question(2)  # here <- any_torch_dispatch_mode_on_stack <- CatchErrorsWrapper
+            if code is not None:
+                self.declined.add(code)
+            if not self.saw_compile:
+                self.saw_compile = True
+                from .meter import warn_compile_ran_eagerly
+
+                warn_compile_ran_eagerly()
+        return False
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            declined, self.declined = self.declined, set()
+            for code in declined:
+                let_dynamo_trace_again(code)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Not wrapped in torch._disable_dynamo, whose two frames would sit in every traceback of a budget's
+        # OutOfMemoryError between the user's line and gpukit's; dynamo skips this code instead (below).
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = True  # IPython and pytest end a budget's OutOfMemoryError at the user's op
         kwargs = kwargs or {}
         if not _PLAIN_TENSORS.issuperset(types) and any(t not in self.own_types and _dispatches(t)
                                                           for t in types):
@@ -299,6 +336,9 @@ class _CountingMode(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     see(o)
+
+
+never_traced(_CountingMode.__torch_dispatch__.__code__)
 
 
 def _numel(size) -> int:
@@ -583,7 +623,7 @@ class Ledger:
                 self._track(st, nbytes, counted=True, label=label)
             elif known != nbytes:
                 # Like the allocator: the new block exists before the old one is freed.
-                error = self._over_budget(nbytes)
+                error = self._over_budget(nbytes, st)
                 if self.listener is not None:
                     self.listener.on_resize(key, nbytes)
                 label = self.labels.get(key)
@@ -593,22 +633,33 @@ class Ledger:
             else:
                 return
         if error is not None:
+            __tracebackhide__ = True
             try:
-                raise error
+                raise error  # a gpukit budget refused the op on your last line above
             finally:
                 error = None  # no cycle: the traceback holds this frame, which would hold the error
 
-    def _over_budget(self, nbytes: int) -> torch.OutOfMemoryError | None:
+    def _over_budget(self, nbytes: int, storage: torch.UntypedStorage | None = None
+                     ) -> torch.OutOfMemoryError | None:
+        """The error for ``nbytes`` more (a new storage, or ``storage`` at its new size), or None if they fit."""
         if not self.limits:
             return None
-        limit, want = min(self.limits), round_up(nbytes)
-        if self._live_rounded + want <= limit:
+        want, live, tightest = round_up(nbytes), self._live_rounded, None
+        for cap in self.limits:
+            # A cap may leave storages out: those gpukit.budget(host=...) says a GPU run keeps in host memory.
+            host = cap.host_bytes(self) if hasattr(cap, "host_bytes") else 0
+            if host and storage is not None and cap.holds(storage):
+                continue  # host memory that grows is not the device's
+            if tightest is None or cap - live + host < tightest[0]:
+                tightest = (cap - live + host, cap, host)
+        if tightest is None or want <= tightest[0]:
             return None
-        free = max(limit - self._live_rounded, 0)
+        room, limit, host = tightest
+        on_host = f" (not counting {_fmt(host)} on the host)" if host else ""
         return torch.OutOfMemoryError(
             f"out of memory under a gpukit budget ({'fake tensors' if self.fake else 'CPU, simulated'}). "
-            f"Tried to allocate {_fmt(want)}; {_fmt(self._live_rounded)} already allocated; "
-            f"budget {_fmt(limit)}, of which {_fmt(free)} free.")
+            f"Tried to allocate {_fmt(want)}; {_fmt(live - host)} already allocated{on_host}; "
+            f"budget {_fmt(int(limit))}, of which {_fmt(max(room, 0))} free.")
 
     def check_request(self, func, args, kwargs) -> None:
         """Refuse an op, before it runs, whose arguments ask for more memory than the budget leaves.
@@ -622,15 +673,17 @@ class Ledger:
             if storage is not None and nbytes <= storage.nbytes():
                 continue  # fits in the storage it has
             self.settle()
-            error = self._over_budget(nbytes)
+            error = self._over_budget(nbytes, storage)
             if error is not None:
+                __tracebackhide__ = True
                 try:
-                    raise error
+                    raise error  # a gpukit budget refused the op on your last line above
                 finally:
                     error = None  # no cycle: the traceback holds this frame, which would hold the error
 
     def see(self, t: torch.Tensor) -> None:
         """Record the storage of an op's output (called for every op: kept lean)."""
+        __tracebackhide__ = True
         if type(t) is torch.Tensor and not self.fake:  # the common case, checked cheaply
             if not t.is_cpu or t.layout is not torch.strided:
                 return
@@ -829,10 +882,11 @@ class Ledger:
                         ledger._track(storage, storage.nbytes(), counted=False)
                 if ledger.limits and size > storage.nbytes():
                     ledger.settle()
-                    error = ledger._over_budget(size)
+                    error = ledger._over_budget(size, storage)
                     if error is not None:
+                        __tracebackhide__ = True
                         try:
-                            raise error
+                            raise error  # a gpukit budget refused the op on your last line above
                         finally:
                             error = None  # no cycle: the traceback holds this frame, which would hold the error
             result = original(storage, size)

@@ -2,6 +2,7 @@
 
     %gpumem y = model(x)                 measure one statement
     %%gpumem --budget 4GB               run a cell as if on a 4 GB GPU
+    %%gpumem --budget 4GB --host data   ... with the variable data in host memory (not counted on CPU)
     %%gpumem --label "adam step" --roles model,opt
     loss = model(x).sum(); loss.backward(); opt.step()
 
@@ -35,6 +36,8 @@ OPTIONS = (
     (("-d", "--device"), {"help": "cpu, cuda or cuda:N (default: the GPU if there is one, else cpu)"}),
     (("-b", "--budget"), {"metavar": "SIZE",
                           "help": "run as if the device had only SIZE (4GB, 512MiB...): beyond it, OutOfMemoryError"}),
+    (("--host",), {"metavar": "NAME[,NAME...]",
+                   "help": "with --budget on CPU: variables a GPU run keeps in host memory (a dataset), not counted"}),
     (("-q", "--quiet"), {"action": "store_true", "help": "record the run, display nothing"}),
 )
 _VALUE_OPTIONS = {flag for flags, spec in OPTIONS if "action" not in spec for flag in flags}
@@ -107,6 +110,7 @@ class GpuMemMagics(Magics):
         Line:  %gpumem [options] STATEMENT      (put -- before a statement that starts with '-')
         Cell:  %%gpumem [options]  on the first line of a cell
         """
+        __tracebackhide__ = True  # an error in the cell shows the cell's line, not the magic's frames
         try:
             if cell is None:
                 flags, code = split_line(line)
@@ -121,7 +125,10 @@ class GpuMemMagics(Magics):
             scopes = [self.shell.user_ns] if local_ns is None else [local_ns, self.shell.user_ns]
             meter = measure(args.device, label=args.label or _default_label(code),
                             **self._roles(args.roles, scopes))
-            cap = budget(args.budget, args.device) if args.budget is not None else contextlib.nullcontext()
+            if args.host is not None and args.budget is None:
+                raise UsageError("--host names what a --budget leaves out; give a --budget too")
+            cap = (budget(args.budget, args.device, host=self._variables(args.host, scopes))
+                   if args.budget is not None else contextlib.nullcontext())
         except (UsageError, ValueError) as err:
             options = self.gpumem.parser.format_usage().replace("::", "").strip().removeprefix("%gpumem ")
             print(f"usage: %gpumem {options} STATEMENT\n   or: %%gpumem {options}   (first line of a cell)\n"
@@ -133,6 +140,18 @@ class GpuMemMagics(Magics):
         if not args.quiet:
             display(report)
         return value
+
+    @staticmethod
+    def _variables(spec: str | None, scopes: list[dict]) -> list | None:
+        if spec is None:
+            return None
+        found = []
+        for name in (n.strip() for n in spec.split(",")):
+            scope = next((ns for ns in scopes if name in ns), None)
+            if scope is None:
+                raise UsageError(f"--host: no variable named {name!r}")
+            found.append(scope[name])
+        return found
 
     @staticmethod
     def _roles(spec: str | None, scopes: list[dict]) -> dict:
@@ -153,6 +172,7 @@ class GpuMemMagics(Magics):
 
     def _run(self, code: str, local_ns: dict | None):
         """Run ``code`` as IPython would; return the value of a final expression."""
+        __tracebackhide__ = True
         shell = self.shell
         source = shell.transform_cell(code)
         # Registered with IPython's line cache, so that a traceback shows the cell's failing line.

@@ -1,6 +1,8 @@
 """gpukit.budget on CPU: a real torch.OutOfMemoryError at the right byte, and clean recovery."""
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
@@ -212,3 +214,136 @@ def test_a_refused_step_frees_its_tensors_when_the_error_is_dropped_without_a_ga
         assert r.delta == 0
     finally:
         gc.enable()
+
+
+# -- data in host memory: budget(host=...) --------------------------------------------------------------------
+
+def tiny_step():
+    model = torch.nn.Linear(64, 10)
+    model(torch.randn(32, 64)).sum().backward()
+
+
+@pytest.fixture
+def dataset():
+    """Device: cpu. 64 MB of data, as a user holds a data set in memory: far more than the budgets below."""
+    return torch.ones(16_000_000)
+
+
+def test_a_dataset_named_as_host_memory_does_not_count_against_a_cpu_budget(dataset):
+    room = live_now() - round_up(dataset.nbytes) + 4 * 2**20  # 4 MiB besides everything else the process holds
+    with pytest.warns(gpukit.BudgetWarning):
+        with pytest.raises(torch.OutOfMemoryError, match="already allocated; budget"):
+            with gpukit.budget(room, "cpu"):
+                tiny_step()
+    with gpukit.budget(room, "cpu", host=dataset):
+        tiny_step()
+        batch = dataset[:1000]                    # a view: the data's own storage, nothing new
+        with pytest.raises(torch.OutOfMemoryError, match=r"not counting 61\.04 MiB \(64,000,000 B\) on the host"):
+            dataset[:2_000_000].clone()          # a copy is device memory: 8 MB does not fit in 4 MiB
+    assert LEDGER.limits == []
+    del batch
+
+
+@pytest.mark.parametrize("host", [
+    lambda data: {"train": [data], "name": "digits"},
+    lambda data: torch.utils.data.TensorDataset(data).tensors,
+    lambda data: data[10:],                        # a view names its whole storage
+], ids=["nested", "TensorDataset.tensors", "view"])
+def test_host_takes_any_structure_of_tensors(dataset, host):
+    room = live_now() - round_up(dataset.nbytes) + 4 * 2**20
+    with gpukit.budget(room, "cpu", host=host(dataset)):
+        tiny_step()
+
+
+def test_a_module_and_its_optimizer_state_can_live_on_the_host():
+    model = torch.nn.Linear(2000, 2000)                                   # 16 MB of weights
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2000)).sum().backward()
+    opt.step()                                                            # 32 MB of state, 16 MB of grads
+    room = live_now() - 4 * round_up(model.weight.nbytes) + 4 * 2**20     # not enough for any of them
+    with gpukit.budget(room, "cpu", host=[model, opt]):
+        kept = torch.empty(500_000)                                       # 2 MB
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1_000_000)                                        # 4 MB more: past the 4 MiB
+    del kept
+
+
+def test_host_data_that_dies_or_grows_in_the_block_leaves_the_room_as_it_was():
+    data = torch.ones(8_000_000)
+    room = live_now() - round_up(data.nbytes) + 4 * 2**20
+    with gpukit.budget(room, "cpu", host=data):
+        data.resize_(12_000_000)                  # the host grows: not the device
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1_100_000)
+        del data                                  # its bytes leave the process and the host together
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1_100_000)                # 4.4 MB: the room did not grow by the data's 48 MB
+        kept = torch.empty(1_000_000)             # 4 MB: fits, as before
+    del kept
+
+
+def test_a_budget_nested_in_one_with_host_data_leaves_the_same_data_out(dataset):
+    room = live_now() - round_up(dataset.nbytes) + 4 * 2**20
+    with gpukit.budget(room, "cpu", host=dataset):
+        with gpukit.budget(room - 2 * 2**20, "cpu"):  # the smaller cap, still without the data
+            kept = torch.empty(250_000)               # 1 MB of the 2 MiB
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(600_000)                  # 2.4 MB more
+    del kept
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"host": 3}, "host= holds no CPU tensor"),
+    ({"host": [torch.ones(1)], "reserved": True}, "host= is not available with reserved=True"),
+])
+def test_host_that_cannot_be_honoured_is_refused(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        gpukit.budget("1GB", "cpu", **kwargs)
+
+
+def test_a_budget_exceeded_as_it_opens_warns_once_at_the_users_line_with_the_figures(dataset):
+    import warnings
+
+    room = live_now() - round_up(dataset.nbytes) + 4 * 2**20
+    used = live_now()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        with gpukit.budget(room, "cpu"):
+            pass
+        with gpukit.budget(room, "cpu", host=dataset):   # the data left out: under the budget, no warning
+            pass
+    assert [w.category for w in caught] == [gpukit.BudgetWarning]
+    warning = caught[0]
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    message = str(warning.message)
+    assert f"{gpukit.format_bytes(used)} of CPU tensors are allocated" in message
+    assert "The largest storages: 61.04 MiB" in message          # the data set's 64,000,000 B
+    assert "host=" in message
+
+
+# -- what a user sees when a budget refuses an op ------------------------------------------------------------
+
+def visible_frames(tb):
+    """The traceback's frames that pytest and IPython show: those without ``__tracebackhide__``."""
+    frames = []
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__"):
+            frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+@pytest.mark.parametrize("op", ["announced", "found after it ran"])
+def test_an_out_of_memory_traceback_ends_at_the_users_op_with_no_dynamo_frames(op):
+    base = torch.ones(1)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        with gpukit.budget(live_now() + 1_000_000, "cpu"):
+            line = sys._getframe().f_lineno + 1
+            torch.empty(1_000_000) if op == "announced" else base.expand(1_000_000).contiguous()
+    tb, every = err.value.__traceback__, []
+    assert visible_frames(tb)[-1] == (__file__, line)
+    while tb is not None:
+        every.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert not [f for f in every if "torch" + os.sep in f]  # torch._disable_dynamo's wrappers are gone

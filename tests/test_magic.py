@@ -1,5 +1,8 @@
 """%gpumem and %%gpumem, run through a real IPython shell."""
 
+import os
+import re
+
 import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
@@ -195,3 +198,49 @@ def test_the_options_are_declared_once_and_both_parsers_follow_the_declaration(s
             assert split_line(f"{flags[0]} 'a b' y = 1") == ([flags[0], "a b"], "y = 1")
         else:
             assert split_line(f"{flags[0]} y = 1") == ([flags[0]], "y = 1")
+
+
+def test_host_flag_leaves_the_named_variables_out_of_the_budget(shell):
+    import gc
+
+    run(shell, "data = torch.ones(8_000_000)")                # 32 MB, in memory before the cell
+    gc.collect()
+    with gpukit.measure("cpu", record=False) as now:
+        pass
+    limit = now.live_end - 32_000_000 + 1_000_000               # 1 MB besides the rest of the process
+    cell = "%%gpumem --device cpu -q --budget {} {}\nbatch = data[:1000].clone()"
+    assert run(shell, cell.format(limit, "--host data")).success
+    with pytest.warns(gpukit.BudgetWarning, match="--host data") as warned:
+        assert isinstance(run(shell, cell.format(limit, "")).error_in_exec, torch.OutOfMemoryError)
+    assert warned[0].filename.startswith("<ipython-input")  # the cell, not IPython's or gpukit's code
+    assert LEDGER.limits == [] and not LEDGER.active
+
+
+@pytest.mark.parametrize("line, says", [
+    ("%%gpumem --device cpu --host data", "--host names what a --budget leaves out"),
+    ("%%gpumem --device cpu --budget 1GB --host nothing_here", "--host: no variable named 'nothing_here'"),
+])
+def test_host_flag_misuse_says_what_is_wrong(shell, capsys, line, says):
+    run(shell, f"data = torch.ones(10)\n")
+    run(shell, f"{line}\nran = True")
+    assert says in capsys.readouterr().err
+    assert "ran" not in shell.user_ns
+
+
+@pytest.mark.parametrize("cell", [
+    "with gpukit.budget(1, 'cpu'):\n    y = torch.ones(1000)  # the user's op\n",
+    "%%gpumem --device cpu --budget 1\ny = torch.ones(1000)  # the user's op\n",
+], ids=["budget", "%%gpumem --budget"])
+def test_an_out_of_memory_traceback_in_ipython_shows_the_users_op_and_one_frame_of_gpukit(shell, capsys, cell):
+    """IPython hides frames with ``__tracebackhide__`` but always shows the one that raised (ultratb's last
+    record): the user's op, then gpukit's single raising line; no frame of torch, dynamo or the magic."""
+    run(shell, "import gpukit")
+    result = run(shell, cell)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    text = capsys.readouterr()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text.out + text.err)
+    assert "----> 2     y = torch.ones(1000)  # the user's op" in text or "----> 1 y = torch.ones(1000)" in text
+    files = re.findall(r"^File (\S+):\d+", text, re.M)
+    assert len(files) == 1 and files[0].endswith(os.path.join("gpukit", "counter.py"))
+    assert "a gpukit budget refused the op on your last line above" in text
+    assert "_dynamo" not in text and "magic.py" not in text

@@ -1,6 +1,7 @@
 """The CPU meter counts exactly what the CUDA caching allocator would: known sizes give known bytes."""
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -363,3 +364,91 @@ def test_a_storage_queued_twice_is_booked_once():
         assert LEDGER.live_rounded - r.live_start == round_up(4000)
         del t, st
     assert (r.peak, r.delta) == (round_up(4000), 0)
+
+
+# -- torch.compile inside a measured CPU block --------------------------------------------------------------
+
+def _dynamo_asks_each_mode():
+    import torch._dynamo
+
+    return getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False)
+
+
+# Dynamo asks each mode on the stack (ignore_compile_internals) only where this option is on (the default of the
+# torch this was written against, 2.13); elsewhere it reads a global flag and gpukit is not told.
+asks_each_mode = pytest.mark.skipif(not _dynamo_asks_each_mode(),
+                                    reason="this torch's dynamo does not ask the modes on the stack")
+
+
+@pytest.fixture
+def compiled_calls():
+    """A torch.compile backend that records each graph it is given and each run of a compiled graph."""
+    import torch._dynamo
+
+    seen = {"compiled": 0, "ran": 0}
+
+    def backend(gm, example_inputs):
+        seen["compiled"] += 1
+
+        def run(*args):
+            seen["ran"] += 1
+            return gm.forward(*args)
+        return run
+
+    torch._dynamo.reset()
+    yield backend, seen
+    torch._dynamo.reset()
+
+
+@asks_each_mode
+def test_torch_compile_runs_eagerly_in_a_cpu_block_and_warns_once_at_the_users_line(compiled_calls):
+    import warnings
+
+    backend, seen = compiled_calls
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpukit.measure(device="cpu", record=False) as r:
+            line = sys._getframe().f_lineno + 1
+            y = torch.compile(model, backend=backend)(x)
+            torch.compile(lambda t: t.sin().cos(), backend=backend)(x)
+    assert seen == {"compiled": 0, "ran": 0}           # dynamo traced nothing: the ops ran eagerly
+    assert torch.equal(y, model(x)) and r.peak > 0      # and were counted
+    eager = [w for w in caught if w.category is gpukit.CompileRanEagerWarning]
+    assert len(eager) == 1 and (eager[0].filename, eager[0].lineno) == (__file__, line)
+    assert "eager program, not of the compiled graph" in str(eager[0].message)
+    assert "on a GPU" in str(eager[0].message)
+
+
+def test_no_compile_warning_without_torch_compile_or_outside_a_block(compiled_calls):
+    import warnings
+
+    backend, seen = compiled_calls
+    f = torch.compile(lambda t: t.sin().cos(), backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpukit.measure(device="cpu", record=False):
+            torch.ones(4).sin().cos()
+        f(torch.ones(4))
+    assert [w for w in caught if w.category is gpukit.CompileRanEagerWarning] == []
+    assert seen == {"compiled": 1, "ran": 1}            # outside a block, torch.compile compiles as ever
+
+
+@asks_each_mode
+def test_after_a_block_torch_compile_compiles_the_code_it_ran_eagerly_in_it(compiled_calls):
+    """Dynamo files a skip on the code of each frame it declines (ConvertFrameReturn's default, applied to the
+    code): without gpukit undoing it at the block's end, every nn.Sequential compiled later would run eagerly."""
+    backend, seen = compiled_calls
+    x = torch.randn(4, 16)
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16)), backend=backend)
+    compiled(x)
+    assert seen == {"compiled": 1, "ran": 1}
+    with pytest.warns(gpukit.CompileRanEagerWarning):
+        with gpukit.measure(device="cpu", record=False):
+            compiled(x)
+            torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16)), backend=backend)(x)
+    assert seen == {"compiled": 1, "ran": 1}
+    compiled(x)                                                            # its compiled graph, again
+    torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16)), backend=backend)(x)  # a new one: the same graph
+    assert seen == {"compiled": 1, "ran": 3}                               # neither ran eagerly
