@@ -231,6 +231,7 @@ def test_host_flag_misuse_says_what_is_wrong(shell, capsys, line, says):
     "with gpukit.budget(1, 'cpu'):\n    y = torch.ones(1000)  # the user's op\n",
     "%%gpumem --device cpu --budget 1\ny = torch.ones(1000)  # the user's op\n",
 ], ids=["budget", "%%gpumem --budget"])
+@pytest.mark.filterwarnings("ignore::gpukit.BudgetWarning")  # a 1-byte budget is full as it opens (test_budget)
 def test_an_out_of_memory_traceback_in_ipython_shows_the_users_op_and_one_frame_of_gpukit(shell, capsys, cell):
     """IPython hides frames with ``__tracebackhide__`` but always shows the one that raised (ultratb's last
     record): the user's op, then gpukit's single raising line; no frame of torch, dynamo or the magic."""
