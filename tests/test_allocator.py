@@ -148,6 +148,38 @@ def test_set_per_process_memory_fraction(expandable):
     s.free(tensor)
 
 
+@pytest.mark.parametrize("how", ["call", "setting"])
+def test_memory_fraction_one_sets_no_cap(how):
+    """Device: a simulated 2 GiB CUDA GPU (no real device). DeviceCachingAllocator::setMemoryFraction
+    (CUDACachingAllocator.cpp) empties ``allowed_memory_maximum`` for a fraction of 1.0: no cap, so
+    ``garbage_collection_threshold`` (which needs one) frees nothing, and the OOM message has no
+    "... allowed;" part: the allocator acts as if no fraction had ever been set."""
+    def run(fraction):
+        conf = "garbage_collection_threshold:0.25"
+        if how == "setting":
+            s = CachingAllocator("2 GiB", conf + f",per_process_memory_fraction:{fraction}")
+        else:
+            s = CachingAllocator("2 GiB", conf)
+            s.set_memory_fraction(0.5)  # a cap first: 1.0 must remove it, not keep the old one
+            s.set_memory_fraction(fraction)
+        s.free(s.malloc(600 * MB))  # a cached 600 MiB segment, above 0.25 of any cap
+        s.malloc(700 * MB)  # does not fit in it: with a cap, garbage collection frees it first
+        return s
+
+    uncapped, capped = run(1.0), run(0.999)
+    assert uncapped.allowed_memory_maximum is None
+    assert uncapped.memory_reserved() == 1300 * MB  # nothing collected
+    assert capped.memory_reserved() == 700 * MB  # the 600 MiB segment collected
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        uncapped.malloc(1500 * MB)
+    never = CachingAllocator("2 GiB")
+    never.free(never.malloc(600 * MB))
+    never.malloc(700 * MB)
+    with pytest.raises(torch.OutOfMemoryError) as ref:
+        never.malloc(1500 * MB)
+    assert "allowed" not in str(err.value) and str(err.value) == str(ref.value)
+
+
 @EXPANDABLE
 def test_caching_allocator_record_stream_oom(expandable):
     """test_cuda.py TestCuda.test_caching_allocator_record_stream_oom (issue #19219).

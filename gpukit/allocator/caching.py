@@ -118,7 +118,7 @@ class CachingAllocator:
         total_memory: the GPU's capacity (bytes or a size such as ``"80 GiB"``), what
             ``torch.cuda.get_device_properties().total_memory`` reports.
         config: a ``PYTORCH_CUDA_ALLOC_CONF`` string or an ``AllocatorConfig``.
-        fraction: ``set_per_process_memory_fraction`` (None: no cap).
+        fraction: ``set_per_process_memory_fraction`` (None or 1.0: no cap).
         context_bytes: device memory the process holds outside the allocator (the CUDA
             context, cuBLAS workspaces are allocator memory and not included); it counts
             against the capacity and in what nvidia-smi shows.
@@ -170,12 +170,17 @@ class CachingAllocator:
     # -- public API, named after torch.cuda's ----------------------------------------------------------------
 
     def set_memory_fraction(self, fraction: float) -> None:
-        """``torch.cuda.set_per_process_memory_fraction``: cap reserved memory at ``fraction`` of the device."""
+        """``torch.cuda.set_per_process_memory_fraction``: cap reserved memory at ``fraction`` of the device.
+
+        As DeviceCachingAllocator::setMemoryFraction does: a fraction of 1.0 removes the cap
+        (``allowed_memory_maximum`` is empty), so garbage collection stays off and the OOM message
+        names no "allowed" figure, exactly as when no fraction was ever set.
+        """
         if not isinstance(fraction, float):  # as torch.cuda.set_per_process_memory_fraction checks
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if not 0 <= fraction <= 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        self.allowed_memory_maximum = int(fraction * float(self.total_memory))
+        self.allowed_memory_maximum = int(fraction * float(self.total_memory)) if fraction < 1.0 else None
 
     def set_settings(self, config: str | AllocatorConfig) -> None:
         """``torch.cuda.memory._set_allocator_settings``: change the settings mid-run."""
