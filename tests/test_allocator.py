@@ -148,6 +148,22 @@ def test_set_per_process_memory_fraction(expandable):
     s.free(tensor)
 
 
+@EXPANDABLE
+def test_zero_byte_request_is_a_null_pointer_with_no_block(expandable):
+    """Device: a simulated CUDA GPU (no real device). NativeCachingAllocator::allocate
+    (CUDACachingAllocator.cpp) calls malloc only ``if (size != 0)`` and returns a null pointer;
+    NativeCachingAllocator::free and recordStream return at once for a null pointer."""
+    s = sim(expandable)
+    before = s.memory_stats()
+    assert s.malloc(0) == 0 and s.malloc(0, stream=1) == 0
+    s.record_stream(0, 1)
+    s.free(0)
+    s.free(0)  # a null pointer has no block to free twice
+    assert s.memory_stats() == before and s.segments() == []
+    a = s.malloc(1)  # the smallest real request still takes a 512-byte block in a 2 MiB segment
+    assert a != 0 and s.memory_allocated() == 512 and s.memory_reserved() == 2 * MB
+
+
 @pytest.mark.parametrize("how", ["call", "setting"])
 def test_memory_fraction_one_sets_no_cap(how):
     """Device: a simulated 2 GiB CUDA GPU (no real device). DeviceCachingAllocator::setMemoryFraction

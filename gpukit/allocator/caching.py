@@ -264,6 +264,11 @@ class CachingAllocator:
     def malloc(self, size: int, stream: int = 0) -> int:
         """Allocate ``size`` bytes on ``stream``; returns the block's address.
 
+        A request of 0 bytes returns 0 (CUDA's null pointer) and allocates nothing, as
+        NativeCachingAllocator::allocate does (it calls malloc only ``if (size != 0)``); ``free(0)``
+        and ``record_stream(0, ...)`` then do nothing, as NativeCachingAllocator::free and
+        recordStream return at once for a null pointer.
+
         Raises:
             SimulatedOutOfMemoryError: (a ``torch.OutOfMemoryError``) with CUDA's message.
             ValueError: for a negative or non-integer size.
@@ -274,6 +279,8 @@ class CachingAllocator:
             size = int(size)
         if size >= 1152921504606846976:
             self._oom_plain("CUDA out of memory. Tried to allocate more than 1EB memory.")
+        if size == 0:
+            return 0
         orig_size = size
         self.generation += 1
         if self.pending:
@@ -685,7 +692,9 @@ class CachingAllocator:
     # -- free ------------------------------------------------------------------------------------------
 
     def record_stream(self, addr: int, stream: int) -> None:
-        """``Tensor.record_stream``: the block is also used on ``stream``."""
+        """``Tensor.record_stream``: the block is also used on ``stream`` (nothing for a null pointer)."""
+        if addr == 0:
+            return
         b = self._active_block(addr)
         self.generation += 1
         if stream != b.stream:
@@ -703,8 +712,10 @@ class CachingAllocator:
         """Free the block at ``addr`` (a tensor's storage dying).
 
         Raises:
-            ValueError: for an address that is not allocated.
+            ValueError: for an address that is not allocated (0, the null pointer, is freed as a no-op).
         """
+        if addr == 0:
+            return
         b = self._active_block(addr)
         self.generation += 1
         b.allocated = False
