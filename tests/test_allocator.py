@@ -381,6 +381,43 @@ def test_allocator_settings(expandable):
             s.set_settings(bad)
 
 
+def test_torch_2_13_settings_are_accepted_with_their_checks():
+    """No device: the settings string only. The keys torch 2.13 accepts (c10/cuda/CUDAAllocatorConfig.h
+    getKeys, CUDAAllocatorConfig::parseArgs; c10/core/AllocatorConfig.cpp parseLargeSegmentSize) with the
+    checks each parser makes: booleans are exactly True/False (ConfigTokenizer::toBool),
+    pinned_reserve_segment_size_mb > 0, large_segment_size_mb > 10 (kMinLargeAlloc / kMB)."""
+    cfg = AllocatorConfig.parse("graph_capture_record_stream_reuse:True,throw_on_cudamalloc_oom:True,"
+                                "pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True,"
+                                "pinned_max_round_threshold_mb:8,pinned_max_cached_size_mb:1024,"
+                                "release_lock_on_hipmalloc:False,pinned_use_hip_host_register:False")
+    assert cfg.graph_capture_record_stream_reuse and cfg.throw_on_cudamalloc_oom
+    assert AllocatorConfig.parse("large_segment_size_mb:11").large_segment_size == 11 * MB
+    for bad, says in (("throw_on_cudamalloc_oom:true", "True"), ("graph_capture_record_stream_reuse:1", "True"),
+                      ("pinned_reserve_segment_size_mb:0", "greater than 0"), ("pinned_free_catch_all:yes", "True"),
+                      ("large_segment_size_mb:10", "must be > 10 MB"), ("pinned_max_cached_size_mb:x", "whole")):
+        with pytest.raises(ValueError, match=says):
+            AllocatorConfig.parse(bad)
+
+
+@pytest.mark.parametrize("setting", ["large_segment_size_mb:30", "large_segment_size_mb:30,max_split_size_mb:30"])
+def test_large_segment_size_sets_the_segment_of_mid_size_requests(setting):
+    """Device: a simulated CUDA GPU (no real device). CUDACachingAllocator.cpp get_allocation_size (torch
+    2.13) gives a request between 1 and 10 MiB a segment of AcceleratorAllocatorConfig::large_segment_size();
+    parseMaxSplitSize and parseMaxNonSplitRoundingSize then refuse less than that many MiB, and the size
+    stays through later settings strings (checked against torch 2.13's own parser on CPU:
+    torch._C._accelerator_setAllocatorSettings)."""
+    s = CachingAllocator(GPU, setting)
+    s.malloc(3 * MB)
+    assert s.memory_reserved() == 30 * MB  # not 20 MiB
+    s.malloc(28 * MB)  # 10 MiB and more: its own segment rounded to 2 MiB, as before (27 MiB are left)
+    assert s.memory_reserved() == 58 * MB
+    for bad in ("max_split_size_mb:20", "max_non_split_rounding_mb:29"):
+        with pytest.raises(ValueError, match="must be >= 30"):
+            s.set_settings(bad)
+    s.set_settings("garbage_collection_threshold:0.5")
+    assert s.config.large_segment_size == 30 * MB
+
+
 @pytest.mark.parametrize("max_split_size_mb_setting", [False, True])
 @EXPANDABLE
 def test_raises_oom(expandable, max_split_size_mb_setting):

@@ -21,8 +21,8 @@ message's figures are built as in every version since 2.3; its closing advice (`
 the text of the source read (PyTorch's main branch), which some 2026 error logs show word for word,
 while others of early 2026 (2.10) name ``PYTORCH_ALLOC_CONF`` and the
 ``.../notes/cuda.html#environment-variables`` page instead: 2.11's own wording was not available here.
-Of the settings newer than 2.11, ``per_process_memory_fraction`` is simulated;
-``large_segment_size_mb`` is refused with a message saying so.
+Of the settings newer than 2.11, ``per_process_memory_fraction`` and ``large_segment_size_mb`` are
+simulated; every other key torch 2.13 accepts is accepted, with its checks (``AllocatorConfig``).
 
 * sizes rounded up to 512 B (``round_size``), or to a power-of-two division
   (``roundup_power2_divisions``); requests of at most 1 MiB come from the small pool,
@@ -52,7 +52,7 @@ Of the settings newer than 2.11, ``per_process_memory_fraction`` is simulated;
 Left out: CUDA graph private pools and ``torch.cuda.MemPool`` (``use_mem_pool``,
 ``use_on_oom``, no-split pools), IPC sharing, ``cudaMallocAsync`` (``backend:cudaMallocAsync``),
 ``release_lock_on_cudamalloc`` (a threading detail), pinned host memory, the free-memory
-callbacks of other libraries, ``throw_on_cudamalloc_oom`` and the expandable-segment
+callbacks of other libraries, ``throw_on_cudamalloc_oom`` (accepted, no effect), the expandable-segment
 reserve options of versions after 2.13, and several devices (one device per object).
 CUDA events are not timed: a block used on another stream is free once ``synchronize()``
 (or an ``empty_cache()``, which synchronizes) says the GPU caught up. Addresses are

@@ -254,11 +254,13 @@ class CachingAllocator:
         return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
 
     @staticmethod
-    def get_allocation_size(size: int) -> int:
+    def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> int:
+        """The segment a new request of ``size`` (rounded) bytes gets; between 1 and 10 MiB that is
+        ``large_segment_size`` (20 MiB unless ``large_segment_size_mb`` says otherwise, PyTorch 2.13)."""
         if size <= kSmallSize:
             return kSmallBuffer
         if size < kMinLargeAlloc:
-            return kLargeBuffer
+            return large_segment_size
         return kRoundLarge * ((size + kRoundLarge - 1) // kRoundLarge)
 
     def malloc(self, size: int, stream: int = 0) -> int:
@@ -292,7 +294,7 @@ class CachingAllocator:
         pool = self.small if size <= kSmallSize else self.large
         block = self._get_free_block(pool, stream, size)
         if block is None:
-            alloc_size = self.get_allocation_size(size)
+            alloc_size = self.get_allocation_size(size, self.config.large_segment_size)
             gc = self.config.garbage_collection_threshold
             if self.allowed_memory_maximum is not None and gc > 0.0:
                 self._garbage_collect_cached_blocks()

@@ -22,6 +22,20 @@ class AllocatorConfig:
     """The native allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` sets them.
 
     Build one from the string a user would export: ``AllocatorConfig.parse("max_split_size_mb:128")``.
+
+    Every key that torch 2.13's parsers accept is accepted, with their checks
+    (AcceleratorAllocatorConfig::parseArgs in c10/core/AllocatorConfig.cpp, then
+    CUDAAllocatorConfig::parseArgs in c10/cuda/CUDAAllocatorConfig.cpp). Simulated: max_split_size_mb,
+    max_non_split_rounding_mb, garbage_collection_threshold, roundup_power2_divisions,
+    expandable_segments, per_process_memory_fraction, and large_segment_size_mb (PyTorch 2.13: the
+    segment of a request between 1 and 10 MiB, ``get_allocation_size``; it must be more than 10 MiB and
+    becomes the least max_split_size_mb and max_non_split_rounding_mb; it is kept by later strings;
+    expandable segments still map 20 MiB pages here). Accepted with no effect on the simulation:
+    ``backend:native`` and ``release_lock_on_cudamalloc`` (a threading detail); the ``pinned_*`` keys
+    (they set the host allocator for pinned memory, not the device's); ``graph_capture_record_stream_reuse``
+    (CUDA graph capture is not simulated); ``throw_on_cudamalloc_oom`` (its early refusal, counted in
+    ``num_oom_rejections``, is not simulated: a simulated cudaMalloc fails only where the capacity or the
+    fraction says so, which the simulation checks before allocating anyway).
     """
 
     max_split_size: int = SIZE_MAX
@@ -30,6 +44,9 @@ class AllocatorConfig:
     expandable_segments: bool = False
     per_process_memory_fraction: float | None = None
     roundup_power2_divisions: list[int] = field(default_factory=lambda: [0] * kRoundUpPowerOfTwoIntervals)
+    large_segment_size: int = kLargeBuffer
+    throw_on_cudamalloc_oom: bool = False
+    graph_capture_record_stream_reuse: bool = False
     text: str = ""
 
     @classmethod
@@ -48,6 +65,9 @@ class AllocatorConfig:
             cfg.max_non_split_rounding_size = previous.max_non_split_rounding_size
             cfg.expandable_segments = previous.expandable_segments
             cfg.per_process_memory_fraction = previous.per_process_memory_fraction
+            cfg.large_segment_size = previous.large_segment_size
+            cfg.throw_on_cudamalloc_oom = previous.throw_on_cudamalloc_oom
+            cfg.graph_capture_record_stream_reuse = previous.graph_capture_record_stream_reuse
         if not isinstance(text, str):
             raise ValueError(f"allocator settings are a string such as 'max_split_size_mb:128', not {text!r}")
         tokens: list[str] = []
@@ -85,8 +105,9 @@ class AllocatorConfig:
                 expect(i + 1, ":")
                 i += 2
                 mb = integer(value(i, key), key)
-                if mb < kLargeBuffer // kMB:
-                    raise ValueError(f"CachingAllocator option {key} too small, must be >= {kLargeBuffer // kMB}")
+                least = cfg.large_segment_size // kMB  # 20 unless large_segment_size_mb says more
+                if mb < least:
+                    raise ValueError(f"CachingAllocator option {key} too small, must be >= {least}")
                 mb = min(mb, SIZE_MAX // kMB)
                 if key == "max_split_size_mb":
                     cfg.max_split_size = mb * kMB
@@ -115,8 +136,20 @@ class AllocatorConfig:
                 i += 2
                 i = cfg._parse_roundup(tokens, i, text)
             elif key == "large_segment_size_mb":
-                raise ValueError("large_segment_size_mb (PyTorch 2.13) is not simulated: the simulation follows "
-                                 "PyTorch 2.11, whose large segments are 20 MiB")
+                expect(i + 1, ":")
+                i += 2
+                mb = integer(value(i, key), key)
+                if mb <= kMinLargeAlloc // kMB:
+                    raise ValueError(f"CachingAllocator option large_segment_size_mb must be > "
+                                     f"{kMinLargeAlloc // kMB} MB")
+                cfg.large_segment_size = min(mb, SIZE_MAX // kMB) * kMB
+            elif key in ("throw_on_cudamalloc_oom", "graph_capture_record_stream_reuse"):
+                expect(i + 1, ":")
+                i += 2
+                v = value(i, key)
+                if v not in ("True", "False"):
+                    raise ValueError(f"Expected 'True' or 'False' for {key}, not {v!r}")
+                setattr(cfg, key, v == "True")
             elif key == "per_process_memory_fraction":
                 expect(i + 1, ":")
                 i += 2
@@ -127,8 +160,11 @@ class AllocatorConfig:
                 if not 0.0 <= v <= 1.0:
                     raise ValueError("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
                 cfg.per_process_memory_fraction = v
-            elif key in ("backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-                         "pinned_num_register_threads", "pinned_use_background_threads"):
+            elif key in ("backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+                         "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+                         "pinned_num_register_threads", "pinned_use_background_threads", "pinned_free_catch_all",
+                         "pinned_reserve_segment_size_mb", "pinned_max_round_threshold_mb",
+                         "pinned_max_cached_size_mb"):
                 # accepted and checked as PyTorch checks them; they change nothing simulated here
                 expect(i + 1, ":")
                 i += 2
@@ -136,9 +172,15 @@ class AllocatorConfig:
                 if key == "backend" and v != "native":
                     raise ValueError("only the native allocator (backend:native) is simulated, "
                                      "not cudaMallocAsync")
-                if key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-                           "pinned_use_background_threads") and v not in ("True", "False"):
+                if key in ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+                           "pinned_use_hip_host_register", "pinned_use_background_threads",
+                           "pinned_free_catch_all") and v not in ("True", "False"):
                     raise ValueError(f"Expected a single True/False argument for {key}")
+                if key in ("pinned_reserve_segment_size_mb", "pinned_max_round_threshold_mb",
+                           "pinned_max_cached_size_mb"):
+                    n = integer(v, key)  # ConfigTokenizer::toSizeT (std::stoull: "-1" wraps round)
+                    if key == "pinned_reserve_segment_size_mb" and n == 0:
+                        raise ValueError("Pinned reserve segment size has to be greater than 0")
                 if key == "pinned_num_register_threads":
                     n = integer(v, key) if v.isdigit() else -1
                     if n <= 0 or n & (n - 1):
@@ -148,7 +190,8 @@ class AllocatorConfig:
             else:
                 raise ValueError(f"Unrecognized CachingAllocator option: {key} (simulated options: "
                                  "max_split_size_mb, max_non_split_rounding_mb, garbage_collection_threshold, "
-                                 "roundup_power2_divisions, expandable_segments)")
+                                 "roundup_power2_divisions, expandable_segments, large_segment_size_mb, "
+                                 "per_process_memory_fraction)")
             if i + 1 < len(tokens):
                 expect(i + 1, ",")
                 i += 1
