@@ -243,9 +243,38 @@ def test_record_stream_on_shifted_view(expandable):
     s.record_stream(base, stream_record)  # view.record_stream(stream_record), a view of base
     data_ptr = base
     s.free(base)
-    # stream_alloc.synchronize() waits for stream_alloc only: stream_record may still use the block
+    s.stream_synchronize(stream_alloc)  # waits for stream_alloc only: stream_record may still use the block
     try_realloc = s.malloc(float32(2), stream_alloc)
     assert try_realloc != data_ptr
+
+
+@EXPANDABLE
+def test_freed_block_used_on_another_stream_is_freed_by_the_next_malloc_once_its_event_completed(expandable):
+    """Device: a simulated CUDA GPU (no real device). CUDACachingAllocator.cpp: ``free`` of a block with
+    ``stream_uses`` records one event per stream (``insert_events``); DeviceCachingAllocator::malloc starts with
+    ``process_events`` (``if (C10_LIKELY(captures_underway.empty()))``), which frees a block once the events
+    of all its streams completed, each stream's queue oldest first up to the first event not completed.
+    Completing an event frees nothing by itself: the next malloc does."""
+    s = sim(expandable)
+    a = s.malloc(float32(4))
+    s.record_stream(a, 1)
+    s.record_stream(a, 2)
+    s.free(a)
+    assert s.memory_stats()["active_bytes.all.current"] == 512  # pending: both streams may still use it
+    s.stream_synchronize(1)
+    b = s.malloc(float32(4))  # stream 2's event not completed: still pending, a is not reused
+    assert b != a and s.pending
+    s.stream_synchronize(2)
+    assert s.memory_stats()["active_bytes.all.current"] == 1024  # completed, not yet processed
+    c = s.malloc(float32(4))  # process_events frees a first: best fit, lowest address, it is reused
+    assert c == a and not s.pending and not s.cuda_events
+    assert s.memory_stats()["active_bytes.all.current"] == 1024 and s.memory_stats()["num_sync_all_streams"] == 0
+    d = s.malloc(float32(4))
+    s.record_stream(d, 3)
+    s.free(d)
+    s.synchronize()  # torch.cuda.synchronize(): every stream's event completed
+    assert s.pending  # still held until the next malloc
+    assert s.malloc(float32(4)) == d and not s.pending
 
 
 @EXPANDABLE

@@ -45,7 +45,8 @@ simulated; every other key torch 2.13 accepts is accepted, with its checks (``Al
 * ``empty_cache()``; ``expandable_segments`` (one growing segment per stream and pool,
   mapped in 2 MiB pages for the small pool and 20 MiB pages for the large pool,
   unmapped page by page); per-stream pools and ``record_stream`` (a block freed while
-  another stream uses it waits for ``synchronize()``);
+  another stream uses it waits for that stream's event: ``stream_synchronize(stream)`` or ``synchronize()``
+  completes it, and the next ``malloc`` frees the block, ``process_events``);
 * every statistic of ``torch.cuda.memory_stats()`` and a ``torch.cuda.memory._snapshot()``
   -shaped snapshot, drawn by ``plot_segments`` like ``torch.cuda._memory_viz``'s segment view.
 
@@ -54,8 +55,9 @@ Left out: CUDA graph private pools and ``torch.cuda.MemPool`` (``use_mem_pool``,
 ``release_lock_on_cudamalloc`` (a threading detail), pinned host memory, the free-memory
 callbacks of other libraries, ``throw_on_cudamalloc_oom`` (accepted, no effect), the expandable-segment
 reserve options of versions after 2.13, and several devices (one device per object).
-CUDA events are not timed: a block used on another stream is free once ``synchronize()``
-(or an ``empty_cache()``, which synchronizes) says the GPU caught up. Addresses are
+CUDA events are not timed: an event completes when ``stream_synchronize(stream)`` or ``synchronize()``
+says its stream caught up (then the next ``malloc`` frees its block), or at ``empty_cache()`` and on the
+out-of-memory path, which synchronize and free at once (``synchronize_and_free_events``). Addresses are
 made up (a new segment starts above every earlier one); a replay of a recorded trace
 can take the recorded ones instead (``address_source``).
 

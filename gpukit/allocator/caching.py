@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections import deque
 
 import torch
 
@@ -151,7 +152,10 @@ class CachingAllocator:
         self.small = BlockPool(True)
         self.large = BlockPool(False)
         self.active: dict[int, Block] = {}  # addr -> allocated block (or freed but waiting for streams)
-        self.pending: list[Block] = []  # freed while other streams used them: wait for synchronize()
+        self.pending: list[Block] = []  # freed while other streams used them: wait for their events
+        self.cuda_events: dict[int, deque] = {}  # stream -> (event number, block) in the order recorded
+        self._event_seq = 0  # events recorded so far (numbered from 1)
+        self._completed: dict[int, int] = {}  # stream -> the last event number its work has reached
         self.expandable: list[ExpandableSegment] = []
         self.total_allocated_memory = 0  # what the driver has handed out (reserved)
         self.allowed_memory_maximum: int | None = None
@@ -730,8 +734,11 @@ class CachingAllocator:
             self.trace.append(("free_requested", b.addr, b.requested, b.stream))
         if b.size >= self.config.max_split_size:
             _dec(self.oversize_allocations, 1)
-        if b.stream_uses:
+        if b.stream_uses:  # insert_events: one event on each stream that used the block
             b.event_count = len(b.stream_uses)
+            for used in sorted(b.stream_uses):
+                self._event_seq += 1
+                self.cuda_events.setdefault(used, deque()).append((self._event_seq, b))
             b.stream_uses = None
             self.pending.append(b)
         else:
@@ -790,19 +797,42 @@ class CachingAllocator:
         return sub
 
     def process_events(self) -> None:
-        """Nothing to do until ``synchronize()``: the simulation does not time GPU work."""
+        """DeviceCachingAllocator::process_events: each stream's events, oldest first, up to the first one
+        not completed; a block whose last event completed is freed (``free_block``). ``malloc`` calls it
+        first, as PyTorch's does when no CUDA graph capture is under way (none is simulated). The order of
+        the streams is theirs sorted (PyTorch's hash map has an order of its own; the outcome is the same)."""
+        for stream in sorted(self.cuda_events):
+            events = self.cuda_events[stream]
+            done = self._completed.get(stream, 0)
+            while events and events[0][0] <= done:  # cudaEventQuery: completed
+                _, b = events.popleft()
+                b.event_count -= 1
+                if b.event_count == 0:
+                    self.pending.remove(b)
+                    self._free_block(b)
+            if not events:
+                del self.cuda_events[stream]
+
+    def stream_synchronize(self, stream: int) -> None:
+        """``torch.cuda.Stream.synchronize()`` (or its work seen done, as ``Event.query()`` would): the events
+        recorded on ``stream`` so far have completed. As in PyTorch, the blocks they held are freed by the
+        next ``malloc`` (``process_events``), not by this call."""
+        self.generation += 1
+        self._completed[stream] = self._event_seq
 
     def synchronize(self) -> None:
-        """``torch.cuda.synchronize()``: blocks freed while other streams used them become free."""
+        """``torch.cuda.synchronize()``: every stream's events so far have completed; the next ``malloc``
+        frees the blocks freed while other streams used them (``process_events``)."""
         self.generation += 1
-        pending, self.pending = self.pending, []
-        for b in pending:
-            b.event_count = 0
-            self._free_block(b)
+        for stream in self.cuda_events:
+            self._completed[stream] = self._event_seq
 
     def _synchronize_and_free_events(self) -> None:
+        """DeviceCachingAllocator::synchronize_and_free_events (empty_cache and the OOM path): waits for
+        every event and frees the blocks they held at once."""
         self.counters["num_sync_all_streams"] += 1
         self.synchronize()
+        self.process_events()
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give every unsplit cached segment back to the driver."""
@@ -898,7 +928,9 @@ class CachingAllocator:
                                     *self.large.blocks.values(), *self._unmapped_by_addr.values()]))
         expandable = tuple((e.base, e.segment_size, e.max_handles, e.stream, tuple(e.handles))
                            for e in self.expandable)
-        return (self._next_addr, self.total_allocated_memory, tuple(blocks), tuple(self.small.keys),
+        events = tuple((stream, tuple((b.addr, seq <= self._completed.get(stream, 0)) for seq, b in q))
+                       for stream, q in sorted(self.cuda_events.items()))
+        return (self._next_addr, self.total_allocated_memory, tuple(blocks), events, tuple(self.small.keys),
                 tuple(self.large.keys), tuple(self.small.unmapped), tuple(self.large.unmapped), expandable,
                 self.total_memory, self.context_bytes, self.allowed_memory_maximum, repr(self.config))
 
