@@ -1122,3 +1122,48 @@ def test_a_held_simulated_device_read_after_a_del_has_counted_the_free():
         assert dev.allocator.memory_allocated() == allocated - 16 * MB
     finally:
         reset_cpu_device()
+
+
+@pytest.mark.parametrize("abbreviated", [False, True])
+def test_memory_summary_is_torch_cuda_memory_summary_of_the_simulated_statistics(monkeypatch, abbreviated):
+    """Device: a simulated CUDA GPU (no real device). The table is torch/cuda/memory.py memory_summary's:
+    the installed torch formats the simulated statistics itself (its memory_stats replaced by the
+    simulation's), and the two texts are equal. The figures of a known sequence are checked by hand:
+    3 MiB in a new 20 MiB segment (17 MiB split off: non-releasable), 1000 bytes (1024 rounded) in a
+    2 MiB small segment, freed (its segment whole again), then 70 MiB under max_split_size_mb:64: an
+    oversize block in an oversize segment of its own, freed (the segment stays cached)."""
+    import torch.cuda.memory as cuda_memory
+
+    s = CachingAllocator("16 GiB", "max_split_size_mb:64")
+    s.malloc(3 * MB)
+    s.free(s.malloc(1000))
+    big = s.malloc(70 * MB)  # oversize: at or above max_split_size
+    s.free(big)
+    monkeypatch.setattr(cuda_memory, "memory_stats", lambda device=None: s.memory_stats())
+    assert s.memory_summary(abbreviated) == cuda_memory.memory_summary(0, abbreviated=abbreviated)
+
+    lines = s.memory_summary().splitlines()
+
+    def row(metric, below=0):  # the "all" row of a metric, or a pool's row below it
+        return lines[[line.startswith(f"| {metric:<21} |") for line in lines].index(True) + below]
+
+    assert row("Allocated memory") == "| Allocated memory      |   3072 KiB |  74752 KiB |  74753 KiB |  71681 KiB |"
+    assert row("Allocated memory", 2) == "|       from small pool |      0 KiB |      1 KiB |      1 KiB |      1 KiB |"
+    assert row("Non-releasable memory") == "| Non-releasable memory |  17408 KiB |  19455 KiB |  19455 KiB |   2047 KiB |"
+    assert row("GPU reserved memory") == "| GPU reserved memory   |  94208 KiB |  94208 KiB |  94208 KiB |      0 B   |"
+    assert row("Oversize allocations") == "| Oversize allocations  |       0    |       1    |       1    |       1    |"
+    assert row("Oversize GPU segments") == "| Oversize GPU segments |       1    |       1    |       1    |       0    |"
+    assert lines[1] == "|                  PyTorch CUDA memory summary, device ID 0                 |"
+
+
+def test_simulated_device_memory_summary_is_its_allocators():
+    """Device: a simulated CUDA GPU fed by the counter (SimulatedDevice; no real device): the summary of the
+    device, up to date, is its allocator's."""
+    from gpukit.allocator import SimulatedDevice
+
+    dev = SimulatedDevice("16 GiB", context_bytes=0, lazy=False)
+    dev.on_alloc(1, 3 * MB)
+    dev.on_alloc(2, 1000)
+    dev.on_free(2)
+    assert dev.memory_summary() == dev.allocator.memory_summary()
+    assert "|   3072 KiB |   3073 KiB |" in dev.memory_summary()

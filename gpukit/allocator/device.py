@@ -63,6 +63,10 @@ class SimulatedDevice:
         self._catch_up()
         return self._alloc
 
+    def memory_summary(self, abbreviated: bool = False) -> str:
+        """``torch.cuda.memory_summary()`` of the simulated GPU, up to date (``CachingAllocator.memory_summary``)."""
+        return self.allocator.memory_summary(abbreviated)
+
     def reserved(self) -> int:
         """Reserved memory now (``torch.cuda.memory_reserved()``)."""
         self._catch_up()
