@@ -173,9 +173,9 @@ def test_memory_fraction_one_sets_no_cap(how):
     def run(fraction):
         conf = "garbage_collection_threshold:0.25"
         if how == "setting":
-            s = CachingAllocator("2 GiB", conf + f",per_process_memory_fraction:{fraction}")
+            s = CachingAllocator("2 GiB", conf + f",per_process_memory_fraction:{fraction}", context_bytes=0)
         else:
-            s = CachingAllocator("2 GiB", conf)
+            s = CachingAllocator("2 GiB", conf, context_bytes=0)
             s.set_memory_fraction(0.5)  # a cap first: 1.0 must remove it, not keep the old one
             s.set_memory_fraction(fraction)
         s.free(s.malloc(600 * MB))  # a cached 600 MiB segment, above 0.25 of any cap
@@ -188,7 +188,7 @@ def test_memory_fraction_one_sets_no_cap(how):
     assert capped.memory_reserved() == 700 * MB  # the 600 MiB segment collected
     with pytest.raises(torch.OutOfMemoryError) as err:
         uncapped.malloc(1500 * MB)
-    never = CachingAllocator("2 GiB")
+    never = CachingAllocator("2 GiB", context_bytes=0)
     never.free(never.malloc(600 * MB))
     never.malloc(700 * MB)
     with pytest.raises(torch.OutOfMemoryError) as ref:
@@ -825,7 +825,7 @@ def test_a_cpu_run_bigger_than_the_simulated_gpu_is_not_failed():
     import gpukit
     from gpukit.allocator import reset_cpu_device
 
-    dev = reset_cpu_device("64 MiB")
+    dev = reset_cpu_device("64 MiB", context_bytes=0)  # small on purpose: no room for a context
     try:
         with pytest.warns(RuntimeWarning, match="no longer simulated"):
             with gpukit.measure("cpu", record=False) as r:
@@ -1167,3 +1167,30 @@ def test_simulated_device_memory_summary_is_its_allocators():
     dev.on_free(2)
     assert dev.memory_summary() == dev.allocator.memory_summary()
     assert "|   3072 KiB |   3073 KiB |" in dev.memory_summary()
+
+
+def test_simulated_device_holds_the_cuda_context_allowance_by_default():
+    """Device: a simulated 16 GiB CUDA GPU (no real device). A real process holds a CUDA context from its
+    first CUDA call, before any tensor: nvidia-smi counts it, cudaMemGetInfo's free memory lacks it, the
+    OOM message's "this process has" includes it, reserved memory does not. The simulated device holds
+    the allowance plan() and predict() use (one constant), unless told otherwise."""
+    from gpukit import estimate
+    from gpukit.allocator import CONTEXT_ALLOWANCE, SimulatedDevice, cpu_device, reset_cpu_device
+
+    assert estimate.CONTEXT_ALLOWANCE is CONTEXT_ALLOWANCE == 2**30
+    s = CachingAllocator("16 GiB")
+    assert s.context_bytes == CONTEXT_ALLOWANCE and s.memory_reserved() == 0
+    assert s.mem_get_info() == (15 * 1024**3, 16 * 1024**3) and s.nvidia_smi_bytes() == CONTEXT_ALLOWANCE
+    s.malloc(3 * MB)
+    assert s.nvidia_smi_bytes() == CONTEXT_ALLOWANCE + 20 * MB and s.memory_reserved() == 20 * MB
+    with pytest.raises(torch.OutOfMemoryError, match="of which 14.98 GiB is free. Including non-PyTorch memory, "
+                                                     "this process has 1.02 GiB memory in use"):
+        s.malloc(15 * 1024**3)
+    assert SimulatedDevice("16 GiB")._alloc.context_bytes == CONTEXT_ALLOWANCE
+    assert CachingAllocator("16 GiB", context_bytes=0).mem_get_info()[0] == 16 * 1024**3
+    try:
+        assert reset_cpu_device().allocator.context_bytes == CONTEXT_ALLOWANCE
+        set_off = reset_cpu_device(context_bytes=0)
+        assert set_off.allocator.context_bytes == 0 and cpu_device() is set_off
+    finally:
+        reset_cpu_device()

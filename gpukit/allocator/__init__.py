@@ -79,14 +79,14 @@ Validated against PyTorch's own allocator tests and recorded traces: tests/test_
 
 from .caching import (OOM_ADVICE, POOL_NAMES, SIMULATED, STAT_NAMES, Block, BlockPool, CachingAllocator,
                       ExpandableSegment, SimulatedOutOfMemoryError, format_size)
-from .config import (SIZE_MAX, AllocatorConfig, kLargeBuffer, kMB, kMinBlockSize, kMinLargeAlloc, kRoundLarge,
-                     kRoundUpPowerOfTwoIntervals, kSmallBuffer, kSmallSize, roundup_power2_next_division)
+from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMB, kMinBlockSize, kMinLargeAlloc,
+                     kRoundLarge, kRoundUpPowerOfTwoIntervals, kSmallBuffer, kSmallSize, roundup_power2_next_division)
 from .device import SimulatedDevice, cpu_device, follow, replay_events, reset_cpu_device, set_cpu_simulation
 from .plots import plot_segments
 from .replay import ReplayReport, config_of_snapshot, load_snapshot, replay, save_compact
 
-__all__ = ["AllocatorConfig", "Block", "BlockPool", "CachingAllocator", "ExpandableSegment", "OOM_ADVICE",
-           "POOL_NAMES", "ReplayReport", "SIMULATED", "SIZE_MAX", "STAT_NAMES", "SimulatedDevice",
+__all__ = ["AllocatorConfig", "Block", "BlockPool", "CONTEXT_ALLOWANCE", "CachingAllocator", "ExpandableSegment",
+           "OOM_ADVICE", "POOL_NAMES", "ReplayReport", "SIMULATED", "SIZE_MAX", "STAT_NAMES", "SimulatedDevice",
            "SimulatedOutOfMemoryError", "config_of_snapshot", "cpu_device", "follow", "format_size",
            "kLargeBuffer", "kMB", "kMinBlockSize", "kMinLargeAlloc", "kRoundLarge", "kRoundUpPowerOfTwoIntervals",
            "kSmallBuffer", "kSmallSize", "load_snapshot", "plot_segments", "replay", "replay_events",

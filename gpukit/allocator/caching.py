@@ -8,8 +8,8 @@ from collections import deque
 
 import torch
 
-from .config import (SIZE_MAX, AllocatorConfig, kLargeBuffer, kMinBlockSize, kMinLargeAlloc, kRoundLarge,
-                     kSmallBuffer, kSmallSize, roundup_power2_next_division)
+from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMinBlockSize, kMinLargeAlloc,
+                     kRoundLarge, kSmallBuffer, kSmallSize, roundup_power2_next_division)
 
 SIMULATED = "simulated CUDA caching allocator"
 OOM_ADVICE = (" If reserved but unallocated memory is large try setting"
@@ -120,9 +120,13 @@ class CachingAllocator:
             ``torch.cuda.get_device_properties().total_memory`` reports.
         config: a ``PYTORCH_CUDA_ALLOC_CONF`` string or an ``AllocatorConfig``.
         fraction: ``set_per_process_memory_fraction`` (None or 1.0: no cap).
-        context_bytes: device memory the process holds outside the allocator (the CUDA
-            context, cuBLAS workspaces are allocator memory and not included); it counts
-            against the capacity and in what nvidia-smi shows.
+        context_bytes: device memory the process holds outside the allocator: the CUDA context,
+            which a real process holds from its first CUDA call, before any tensor. By default
+            ``CONTEXT_ALLOWANCE`` (1 GiB), the allowance ``plan()`` and ``predict()`` leave free on
+            every GPU: its real size depends on the GPU, driver and CUDA version (nvidia-smi's "used"
+            minus ``torch.cuda.memory_reserved()`` shows it). It counts against the capacity, in
+            ``mem_get_info()`` and the OOM message's figures and in what nvidia-smi shows; 0 for the
+            allocator's memory alone.
         device: the GPU index the OOM message names.
         record_history: keep a trace of events like ``_record_memory_history`` does.
         address_source: ``f(size) -> address or None`` for the address of each new
@@ -133,7 +137,7 @@ class CachingAllocator:
     """
 
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
-                 fraction: float | None = None, context_bytes: int | str = 0, device: int = 0,
+                 fraction: float | None = None, context_bytes: int | str = CONTEXT_ALLOWANCE, device: int = 0,
                  record_history: bool = False, address_source=None) -> None:
         from ..report import parse_bytes
 
@@ -143,7 +147,7 @@ class CachingAllocator:
         self.context_bytes = 0 if context_bytes == 0 else parse_bytes(context_bytes)
         if self.context_bytes >= self.total_memory:
             raise ValueError(f"context_bytes ({self.context_bytes}) leaves no memory on a "
-                             f"{self.total_memory}-byte device")
+                             f"{self.total_memory}-byte device (context_bytes=0: the allocator's memory alone)")
         self.device = int(device)
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config or "")
         self._roundup = any(self.config.roundup_power2_divisions)

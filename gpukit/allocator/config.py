@@ -16,6 +16,13 @@ kMB = 1024 * 1024
 kRoundUpPowerOfTwoIntervals = 16
 SIZE_MAX = 2**64 - 1
 
+# Memory a process needs on a GPU beyond what PyTorch allocates: the CUDA context (kernels
+# of torch and its libraries loaded on the device) and cuBLAS/cuDNN workspaces. It depends on
+# the GPU, driver and CUDA version; 1 GiB is an allowance, not a measurement: see it on your
+# machine as nvidia-smi's "used" minus torch.cuda.memory_reserved() after one step. plan() and
+# predict() leave it free on every GPU; a simulated device holds it unless told otherwise.
+CONTEXT_ALLOWANCE = 2**30
+
 
 @dataclass
 class AllocatorConfig:

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from .caching import POOL_NAMES, CachingAllocator, format_size
-from .config import AllocatorConfig
+from .config import CONTEXT_ALLOWANCE, AllocatorConfig
 
 
 class SimulatedDevice:
@@ -31,6 +31,11 @@ class SimulatedDevice:
     its settings voids the record. ``lazy=False`` runs each event when it happens, and so does a device
     under a cap (``budget(..., reserved=True)``), whose out-of-memory error must come from the allocation
     that causes it.
+
+    Like a real GPU, it holds a CUDA context besides the allocator's memory: ``context_bytes``, by default
+    ``CONTEXT_ALLOWANCE`` (1 GiB, the allowance ``plan()`` and ``predict()`` use), which counts against the
+    capacity and shows in ``mem_get_info()``, ``nvidia_smi_bytes()`` and the OOM message, never in reserved
+    memory.
     """
 
     _MAX_QUEUE = 1 << 16  # events queued before the device runs them unasked
@@ -38,7 +43,8 @@ class SimulatedDevice:
     _MAX_WAIT = 64  # a unit that repeats without leaving the state unchanged is checked again after 1, 2, 4...
 
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
-                 context_bytes: int | str = 0, record_events: bool = False, lazy: bool = True) -> None:
+                 context_bytes: int | str = CONTEXT_ALLOWANCE, record_events: bool = False,
+                 lazy: bool = True) -> None:
         self._alloc = CachingAllocator(total_memory, config, context_bytes=context_bytes)
         self.addr: dict[int, int] = {}  # the ledger's storage key -> simulated address
         self.peaks: list[list[int]] = []  # [peak reserved] of each block watching
@@ -398,9 +404,10 @@ def cpu_device() -> SimulatedDevice | None:
 
 
 def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
-                     context_bytes: int | str = 0, lazy: bool = True) -> SimulatedDevice:
+                     context_bytes: int | str = CONTEXT_ALLOWANCE, lazy: bool = True) -> SimulatedDevice:
     """Start the CPU's simulated GPU afresh, with a capacity and ``PYTORCH_CUDA_ALLOC_CONF`` settings
-    (``lazy=False``: every event run when it happens, and no unit reused; see ``SimulatedDevice``).
+    (``lazy=False``: every event run when it happens, and no unit reused; see ``SimulatedDevice``), holding
+    a CUDA context of ``context_bytes`` (1 GiB unless told otherwise, as ``SimulatedDevice``).
 
     Raises:
         ValueError: for a size or setting that is not allowed.
@@ -443,7 +450,7 @@ class follow:
         return False
 
 
-def replay_events(events, total_memory: int, *, context_bytes: int = 0,
+def replay_events(events, total_memory: int, *, context_bytes: int = CONTEXT_ALLOWANCE,
                   config: str | AllocatorConfig | None = None) -> tuple[bool, int, CachingAllocator]:
     """Run recorded ``SimulatedDevice`` events on a device of ``total_memory`` bytes.
 
