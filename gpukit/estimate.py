@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
-from .allocator import follow
+from .allocator import CONTEXT_ALLOWANCE, follow
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .fakecheck import FakeKernelCheck
@@ -38,11 +38,8 @@ from .roles import RoleTracker
 from .step import train_step
 
 GPU_SIZES_GB = (16, 24, 40, 48, 80, 141)
-# Memory a process needs on a GPU beyond what PyTorch allocates: the CUDA context (kernels
-# of torch and its libraries loaded on the device) and cuBLAS/cuDNN workspaces. It depends on
-# the GPU, driver and CUDA version; 1 GiB is an allowance, not a measurement: see it on your
-# machine as nvidia-smi's "used" minus torch.cuda.memory_reserved() after one step.
-CONTEXT_ALLOWANCE = 2**30
+# CONTEXT_ALLOWANCE (1 GiB, defined with the simulated device in gpukit.allocator.config, which reserves it
+# too): memory a process needs on a GPU beyond what PyTorch allocates, the CUDA context.
 
 
 default_step = train_step  # the plain step of ``gpukit.step``: what ``predict()`` predicts unless told otherwise

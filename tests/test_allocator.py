@@ -149,6 +149,54 @@ def test_set_per_process_memory_fraction(expandable):
 
 
 @EXPANDABLE
+def test_zero_byte_request_is_a_null_pointer_with_no_block(expandable):
+    """Device: a simulated CUDA GPU (no real device). NativeCachingAllocator::allocate
+    (CUDACachingAllocator.cpp) calls malloc only ``if (size != 0)`` and returns a null pointer;
+    NativeCachingAllocator::free and recordStream return at once for a null pointer."""
+    s = sim(expandable)
+    before = s.memory_stats()
+    assert s.malloc(0) == 0 and s.malloc(0, stream=1) == 0
+    s.record_stream(0, 1)
+    s.free(0)
+    s.free(0)  # a null pointer has no block to free twice
+    assert s.memory_stats() == before and s.segments() == []
+    a = s.malloc(1)  # the smallest real request still takes a 512-byte block in a 2 MiB segment
+    assert a != 0 and s.memory_allocated() == 512 and s.memory_reserved() == 2 * MB
+
+
+@pytest.mark.parametrize("how", ["call", "setting"])
+def test_memory_fraction_one_sets_no_cap(how):
+    """Device: a simulated 2 GiB CUDA GPU (no real device). DeviceCachingAllocator::setMemoryFraction
+    (CUDACachingAllocator.cpp) empties ``allowed_memory_maximum`` for a fraction of 1.0: no cap, so
+    ``garbage_collection_threshold`` (which needs one) frees nothing, and the OOM message has no
+    "... allowed;" part: the allocator acts as if no fraction had ever been set."""
+    def run(fraction):
+        conf = "garbage_collection_threshold:0.25"
+        if how == "setting":
+            s = CachingAllocator("2 GiB", conf + f",per_process_memory_fraction:{fraction}", context_bytes=0)
+        else:
+            s = CachingAllocator("2 GiB", conf, context_bytes=0)
+            s.set_memory_fraction(0.5)  # a cap first: 1.0 must remove it, not keep the old one
+            s.set_memory_fraction(fraction)
+        s.free(s.malloc(600 * MB))  # a cached 600 MiB segment, above 0.25 of any cap
+        s.malloc(700 * MB)  # does not fit in it: with a cap, garbage collection frees it first
+        return s
+
+    uncapped, capped = run(1.0), run(0.999)
+    assert uncapped.allowed_memory_maximum is None
+    assert uncapped.memory_reserved() == 1300 * MB  # nothing collected
+    assert capped.memory_reserved() == 700 * MB  # the 600 MiB segment collected
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        uncapped.malloc(1500 * MB)
+    never = CachingAllocator("2 GiB", context_bytes=0)
+    never.free(never.malloc(600 * MB))
+    never.malloc(700 * MB)
+    with pytest.raises(torch.OutOfMemoryError) as ref:
+        never.malloc(1500 * MB)
+    assert "allowed" not in str(err.value) and str(err.value) == str(ref.value)
+
+
+@EXPANDABLE
 def test_caching_allocator_record_stream_oom(expandable):
     """test_cuda.py TestCuda.test_caching_allocator_record_stream_oom (issue #19219).
 
@@ -195,9 +243,38 @@ def test_record_stream_on_shifted_view(expandable):
     s.record_stream(base, stream_record)  # view.record_stream(stream_record), a view of base
     data_ptr = base
     s.free(base)
-    # stream_alloc.synchronize() waits for stream_alloc only: stream_record may still use the block
+    s.stream_synchronize(stream_alloc)  # waits for stream_alloc only: stream_record may still use the block
     try_realloc = s.malloc(float32(2), stream_alloc)
     assert try_realloc != data_ptr
+
+
+@EXPANDABLE
+def test_freed_block_used_on_another_stream_is_freed_by_the_next_malloc_once_its_event_completed(expandable):
+    """Device: a simulated CUDA GPU (no real device). CUDACachingAllocator.cpp: ``free`` of a block with
+    ``stream_uses`` records one event per stream (``insert_events``); DeviceCachingAllocator::malloc starts with
+    ``process_events`` (``if (C10_LIKELY(captures_underway.empty()))``), which frees a block once the events
+    of all its streams completed, each stream's queue oldest first up to the first event not completed.
+    Completing an event frees nothing by itself: the next malloc does."""
+    s = sim(expandable)
+    a = s.malloc(float32(4))
+    s.record_stream(a, 1)
+    s.record_stream(a, 2)
+    s.free(a)
+    assert s.memory_stats()["active_bytes.all.current"] == 512  # pending: both streams may still use it
+    s.stream_synchronize(1)
+    b = s.malloc(float32(4))  # stream 2's event not completed: still pending, a is not reused
+    assert b != a and s.pending
+    s.stream_synchronize(2)
+    assert s.memory_stats()["active_bytes.all.current"] == 1024  # completed, not yet processed
+    c = s.malloc(float32(4))  # process_events frees a first: best fit, lowest address, it is reused
+    assert c == a and not s.pending and not s.cuda_events
+    assert s.memory_stats()["active_bytes.all.current"] == 1024 and s.memory_stats()["num_sync_all_streams"] == 0
+    d = s.malloc(float32(4))
+    s.record_stream(d, 3)
+    s.free(d)
+    s.synchronize()  # torch.cuda.synchronize(): every stream's event completed
+    assert s.pending  # still held until the next malloc
+    assert s.malloc(float32(4)) == d and not s.pending
 
 
 @EXPANDABLE
@@ -331,6 +408,43 @@ def test_allocator_settings(expandable):
                 "pinned_num_register_threads:none", "pinned_num_register_threads:1024"):
         with pytest.raises(ValueError):
             s.set_settings(bad)
+
+
+def test_torch_2_13_settings_are_accepted_with_their_checks():
+    """No device: the settings string only. The keys torch 2.13 accepts (c10/cuda/CUDAAllocatorConfig.h
+    getKeys, CUDAAllocatorConfig::parseArgs; c10/core/AllocatorConfig.cpp parseLargeSegmentSize) with the
+    checks each parser makes: booleans are exactly True/False (ConfigTokenizer::toBool),
+    pinned_reserve_segment_size_mb > 0, large_segment_size_mb > 10 (kMinLargeAlloc / kMB)."""
+    cfg = AllocatorConfig.parse("graph_capture_record_stream_reuse:True,throw_on_cudamalloc_oom:True,"
+                                "pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True,"
+                                "pinned_max_round_threshold_mb:8,pinned_max_cached_size_mb:1024,"
+                                "release_lock_on_hipmalloc:False,pinned_use_hip_host_register:False")
+    assert cfg.graph_capture_record_stream_reuse and cfg.throw_on_cudamalloc_oom
+    assert AllocatorConfig.parse("large_segment_size_mb:11").large_segment_size == 11 * MB
+    for bad, says in (("throw_on_cudamalloc_oom:true", "True"), ("graph_capture_record_stream_reuse:1", "True"),
+                      ("pinned_reserve_segment_size_mb:0", "greater than 0"), ("pinned_free_catch_all:yes", "True"),
+                      ("large_segment_size_mb:10", "must be > 10 MB"), ("pinned_max_cached_size_mb:x", "whole")):
+        with pytest.raises(ValueError, match=says):
+            AllocatorConfig.parse(bad)
+
+
+@pytest.mark.parametrize("setting", ["large_segment_size_mb:30", "large_segment_size_mb:30,max_split_size_mb:30"])
+def test_large_segment_size_sets_the_segment_of_mid_size_requests(setting):
+    """Device: a simulated CUDA GPU (no real device). CUDACachingAllocator.cpp get_allocation_size (torch
+    2.13) gives a request between 1 and 10 MiB a segment of AcceleratorAllocatorConfig::large_segment_size();
+    parseMaxSplitSize and parseMaxNonSplitRoundingSize then refuse less than that many MiB, and the size
+    stays through later settings strings (checked against torch 2.13's own parser on CPU:
+    torch._C._accelerator_setAllocatorSettings)."""
+    s = CachingAllocator(GPU, setting)
+    s.malloc(3 * MB)
+    assert s.memory_reserved() == 30 * MB  # not 20 MiB
+    s.malloc(28 * MB)  # 10 MiB and more: its own segment rounded to 2 MiB, as before (27 MiB are left)
+    assert s.memory_reserved() == 58 * MB
+    for bad in ("max_split_size_mb:20", "max_non_split_rounding_mb:29"):
+        with pytest.raises(ValueError, match="must be >= 30"):
+            s.set_settings(bad)
+    s.set_settings("garbage_collection_threshold:0.5")
+    assert s.config.large_segment_size == 30 * MB
 
 
 @pytest.mark.parametrize("max_split_size_mb_setting", [False, True])
@@ -711,7 +825,7 @@ def test_a_cpu_run_bigger_than_the_simulated_gpu_is_not_failed():
     import gpukit
     from gpukit.allocator import reset_cpu_device
 
-    dev = reset_cpu_device("64 MiB")
+    dev = reset_cpu_device("64 MiB", context_bytes=0)  # small on purpose: no room for a context
     try:
         with pytest.warns(RuntimeWarning, match="no longer simulated"):
             with gpukit.measure("cpu", record=False) as r:
@@ -1006,5 +1120,77 @@ def test_a_held_simulated_device_read_after_a_del_has_counted_the_free():
         allocated = dev.allocator.memory_allocated()
         del x
         assert dev.allocator.memory_allocated() == allocated - 16 * MB
+    finally:
+        reset_cpu_device()
+
+
+@pytest.mark.parametrize("abbreviated", [False, True])
+def test_memory_summary_is_torch_cuda_memory_summary_of_the_simulated_statistics(monkeypatch, abbreviated):
+    """Device: a simulated CUDA GPU (no real device). The table is torch/cuda/memory.py memory_summary's:
+    the installed torch formats the simulated statistics itself (its memory_stats replaced by the
+    simulation's), and the two texts are equal. The figures of a known sequence are checked by hand:
+    3 MiB in a new 20 MiB segment (17 MiB split off: non-releasable), 1000 bytes (1024 rounded) in a
+    2 MiB small segment, freed (its segment whole again), then 70 MiB under max_split_size_mb:64: an
+    oversize block in an oversize segment of its own, freed (the segment stays cached)."""
+    import torch.cuda.memory as cuda_memory
+
+    s = CachingAllocator("16 GiB", "max_split_size_mb:64")
+    s.malloc(3 * MB)
+    s.free(s.malloc(1000))
+    big = s.malloc(70 * MB)  # oversize: at or above max_split_size
+    s.free(big)
+    monkeypatch.setattr(cuda_memory, "memory_stats", lambda device=None: s.memory_stats())
+    assert s.memory_summary(abbreviated) == cuda_memory.memory_summary(0, abbreviated=abbreviated)
+
+    lines = s.memory_summary().splitlines()
+
+    def row(metric, below=0):  # the "all" row of a metric, or a pool's row below it
+        return lines[[line.startswith(f"| {metric:<21} |") for line in lines].index(True) + below]
+
+    assert row("Allocated memory") == "| Allocated memory      |   3072 KiB |  74752 KiB |  74753 KiB |  71681 KiB |"
+    assert row("Allocated memory", 2) == "|       from small pool |      0 KiB |      1 KiB |      1 KiB |      1 KiB |"
+    assert row("Non-releasable memory") == "| Non-releasable memory |  17408 KiB |  19455 KiB |  19455 KiB |   2047 KiB |"
+    assert row("GPU reserved memory") == "| GPU reserved memory   |  94208 KiB |  94208 KiB |  94208 KiB |      0 B   |"
+    assert row("Oversize allocations") == "| Oversize allocations  |       0    |       1    |       1    |       1    |"
+    assert row("Oversize GPU segments") == "| Oversize GPU segments |       1    |       1    |       1    |       0    |"
+    assert lines[1] == "|                  PyTorch CUDA memory summary, device ID 0                 |"
+
+
+def test_simulated_device_memory_summary_is_its_allocators():
+    """Device: a simulated CUDA GPU fed by the counter (SimulatedDevice; no real device): the summary of the
+    device, up to date, is its allocator's."""
+    from gpukit.allocator import SimulatedDevice
+
+    dev = SimulatedDevice("16 GiB", context_bytes=0, lazy=False)
+    dev.on_alloc(1, 3 * MB)
+    dev.on_alloc(2, 1000)
+    dev.on_free(2)
+    assert dev.memory_summary() == dev.allocator.memory_summary()
+    assert "|   3072 KiB |   3073 KiB |" in dev.memory_summary()
+
+
+def test_simulated_device_holds_the_cuda_context_allowance_by_default():
+    """Device: a simulated 16 GiB CUDA GPU (no real device). A real process holds a CUDA context from its
+    first CUDA call, before any tensor: nvidia-smi counts it, cudaMemGetInfo's free memory lacks it, the
+    OOM message's "this process has" includes it, reserved memory does not. The simulated device holds
+    the allowance plan() and predict() use (one constant), unless told otherwise."""
+    from gpukit import estimate
+    from gpukit.allocator import CONTEXT_ALLOWANCE, SimulatedDevice, cpu_device, reset_cpu_device
+
+    assert estimate.CONTEXT_ALLOWANCE is CONTEXT_ALLOWANCE == 2**30
+    s = CachingAllocator("16 GiB")
+    assert s.context_bytes == CONTEXT_ALLOWANCE and s.memory_reserved() == 0
+    assert s.mem_get_info() == (15 * 1024**3, 16 * 1024**3) and s.nvidia_smi_bytes() == CONTEXT_ALLOWANCE
+    s.malloc(3 * MB)
+    assert s.nvidia_smi_bytes() == CONTEXT_ALLOWANCE + 20 * MB and s.memory_reserved() == 20 * MB
+    with pytest.raises(torch.OutOfMemoryError, match="of which 14.98 GiB is free. Including non-PyTorch memory, "
+                                                     "this process has 1.02 GiB memory in use"):
+        s.malloc(15 * 1024**3)
+    assert SimulatedDevice("16 GiB")._alloc.context_bytes == CONTEXT_ALLOWANCE
+    assert CachingAllocator("16 GiB", context_bytes=0).mem_get_info()[0] == 16 * 1024**3
+    try:
+        assert reset_cpu_device().allocator.context_bytes == CONTEXT_ALLOWANCE
+        set_off = reset_cpu_device(context_bytes=0)
+        assert set_off.allocator.context_bytes == 0 and cpu_device() is set_off
     finally:
         reset_cpu_device()
