@@ -150,8 +150,8 @@ class _LedgerMeter:
                                  else ledger.live_by_label.get(self.label, 0)) - tally.level
         self.sim = sim if sim is not None and ledger.listener is sim else None
         if self.sim is not None:
-            report.reserved_start, report.reserved_simulated = sim.allocator.memory_reserved(), True
-            self.watch = sim.watch()
+            report.reserved_simulated = True
+            self.watch = sim.watch()  # reserved memory at the start: known when the device next runs
 
     def stop(self, report: MemoryReport) -> None:
         if self.tally is None:
@@ -160,7 +160,8 @@ class _LedgerMeter:
         _fill(report, self.tally)
         if self.sim is not None:
             report.reserved_peak = self.sim.unwatch(self.watch)
-            report.reserved_end = self.sim.allocator.memory_reserved()
+            report.reserved_start = self.watch[1]
+            report.reserved_end = self.sim.reserved()
 
 
 def _fill(report: MemoryReport, tally) -> None:

@@ -1005,6 +1005,20 @@ def test_a_measured_training_loop_reports_the_same_reserved_memory_reused_or_run
 
     for name in ("on_alloc", "on_free", "on_resize"):
         setattr(dev, name, both(name))  # the counter calls its listener's methods: these, now
+
+    class Tee:
+        """The event queue the counter appends to directly (``event_queue``): each event to the twin too."""
+
+        def __init__(self, queue):
+            self.queue = queue
+
+        def append(self, event):
+            key, nbytes = event
+            twin.on_alloc(key, nbytes) if nbytes else twin.on_free(key)
+            self.queue.append(event)
+
+    real_queue = dev.event_queue
+    dev.event_queue = lambda: None if real_queue() is None else Tee(real_queue())
     try:
         for _ in range(10):
             cell = twin.watch()

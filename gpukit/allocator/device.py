@@ -104,8 +104,20 @@ class SimulatedDevice:
 
     def _fail(self) -> None:
         self.failed = True
-        self._queue = []
+        queue, self._queue = self._queue, []
+        self._mark([key for key, nbytes in queue if nbytes < 0], None)
         self.detach()
+
+    def _mark(self, cells: list, marks: tuple | None) -> None:
+        """Fill the cells of blocks that began inside a unit (``watch``): their reserved memory at the start and
+        its peak since (``marks``, or where the device stopped simulating, its reserved memory now), and
+        follow their peaks from here on."""
+        for i, cell in enumerate(cells):
+            if marks is None:
+                cell[0] = cell[1] = self._alloc.memory_reserved()
+            else:
+                cell[1], cell[0] = marks[i]
+            self.peaks.append(cell)
 
     # -- the counter's events ------------------------------------------------------------------------------
 
@@ -117,8 +129,8 @@ class SimulatedDevice:
         """
         if nbytes <= 0:  # CUDA hands out no block for an empty storage
             return
-        if self.lazy and counted and self._alloc.allowed_memory_maximum is None:
-            self._enqueue(key, nbytes)
+        if self.lazy and self._alloc.allowed_memory_maximum is None:
+            self._enqueue(key, nbytes)  # made in a block, or found (adopted): the same malloc, in its turn
             return
         self.flush()
         self._alloc_now(key, nbytes, counted)
@@ -127,6 +139,20 @@ class SimulatedDevice:
         """Whether the counter must hand over each allocation as it happens: under a cap, the out-of-memory
         error comes from the allocation that passes it."""
         return self._alloc.allowed_memory_maximum is not None
+
+    def event_queue(self) -> list | None:
+        """The list a counter may append its events to directly, ``(key, nbytes)`` of an allocation (of more than
+        0 bytes) and ``(key, 0)`` of a free, calling ``event_queued`` after: as ``on_alloc`` and ``on_free``
+        would, without a call per event. None where each event must go through them (no queue: not lazy, a
+        cap, or no longer simulating)."""
+        if self.lazy and self._alloc.allowed_memory_maximum is None and not self.failed:
+            return self._queue
+        return None
+
+    def event_queued(self) -> None:
+        """Events were appended to ``event_queue()``: run them if the queue is long."""
+        if len(self._queue) >= self._MAX_QUEUE:
+            self.flush()
 
     def _enqueue(self, key: int, nbytes: int) -> None:
         queue = self._queue
@@ -232,23 +258,28 @@ class SimulatedDevice:
 
     def _run(self, queue: list[tuple[int, int]]) -> None:
         alloc, addr = self._alloc, self.addr
-        # The unit's signature: each allocation's size and the block it replaces (a storage that died unseen),
-        # each free's block; a block the unit made is named by its number in the unit (-1 - i), an older one
-        # by its address. Keys (storage ids) differ from step to step; this does not.
+        # The unit's signature: each allocation's size (an int above 0; with the block it replaces, a storage
+        # that died unseen, a pair), each free's block: one the unit made by its number in the unit (-1 - i),
+        # an older one by its address (a 1-tuple). Keys (storage ids) differ from step to step; this does not.
+        # Plain ints for the common events: the signature is built, hashed and compared every unit.
         sig: list = []
         mine: dict[int, int] = {}  # key -> number of the unit's allocation that still holds it
         gone: set[int] = set()  # keys of older storages the unit freed
+        cells: list = []  # the cells of blocks that began in the unit (watch), in order: None in the signature
         n = 0
         for key, nbytes in queue:
-            if nbytes:
+            if nbytes < 0:
+                sig.append(None)
+                cells.append(key)
+            elif nbytes:
                 i = mine.get(key)
                 if i is not None:
-                    old = -1 - i
+                    sig.append((nbytes, -1 - i))
+                elif key not in gone and key in addr:
+                    gone.add(key)
+                    sig.append((nbytes, addr[key]))
                 else:
-                    old = None if key in gone else addr.get(key)
-                    if old is not None:
-                        gone.add(key)
-                sig.append((nbytes, old))
+                    sig.append(nbytes)
                 mine[key] = n
                 n += 1
             else:
@@ -259,7 +290,7 @@ class SimulatedDevice:
                     a = addr.get(key)
                     if a is not None:
                         gone.add(key)
-                        sig.append(a)
+                        sig.append((a,))
         if not sig:
             return
         sig = tuple(sig)
@@ -278,6 +309,7 @@ class SimulatedDevice:
                 before = self._state if self._state_known() else alloc.state_key()
             outcome = self._replay(sig)
             if outcome is None:  # the simulated GPU is too small: no longer simulating
+                self._mark(cells, None)
                 return
             self.units_run += 1
             if candidate:
@@ -303,7 +335,9 @@ class SimulatedDevice:
             del addr[key]
         for key, i in mine.items():
             addr[key] = addrs[i]
-        self._raise_peaks(outcome[3])
+        self._raise_peaks(outcome[3])  # blocks open before the unit
+        if cells:
+            self._mark(cells, outcome[4])
 
     def _cells(self) -> list[list[int]]:
         a = self._alloc
@@ -311,9 +345,12 @@ class SimulatedDevice:
 
     def _replay(self, sig: tuple) -> tuple | None:
         """Run one unit through the allocator; its outcome: (addresses, per statistic (its peak in the unit,
-        what it added to allocated and freed), counters' changes, reserved memory's peak in the unit)."""
+        what it added to allocated and freed), counters' changes, reserved memory's peak in the unit, and for
+        each block that began in it (None) reserved memory there and its peak from there on)."""
         alloc = self._alloc
         malloc, free = alloc.malloc, alloc.free
+        reserved = alloc.stats[5][0]  # reserved_bytes.all: [current, peak, allocated, freed]
+        marks: list[list[int]] = []
         cells = self._cells()
         saved = [(s[1], s[2], s[3]) for s in cells]
         for s in cells:
@@ -323,13 +360,24 @@ class SimulatedDevice:
         too_small = False
         try:
             for e in sig:
-                if e.__class__ is tuple:
+                if e.__class__ is int:
+                    if e < 0:
+                        free(addrs[-1 - e])
+                        continue
+                    addrs.append(malloc(e))
+                elif e is None:
+                    marks.append([reserved[0], reserved[0]])
+                    continue
+                elif len(e) == 1:
+                    free(e[0])
+                    continue
+                else:
                     addrs.append(malloc(e[0]))
                     old = e[1]
-                    if old is not None:
-                        free(addrs[-1 - old] if old < 0 else old)
-                else:
-                    free(addrs[-1 - e] if e < 0 else e)
+                    free(addrs[-1 - old] if old < 0 else old)
+                for m in marks:  # only a malloc raises reserved memory
+                    if reserved[0] > m[1]:
+                        m[1] = reserved[0]
         except torch.OutOfMemoryError:
             too_small = True
         finally:
@@ -342,11 +390,12 @@ class SimulatedDevice:
             return None
         stats = tuple((p, s[2] - a, s[3] - f) for s, p, (_, a, f) in zip(cells, in_unit, saved))
         changed = tuple((k, v - counters[k]) for k, v in alloc.counters.items() if v != counters[k])
-        return tuple(addrs), stats, changed, in_unit[5 * len(POOL_NAMES)]  # reserved_bytes.all
+        return (tuple(addrs), stats, changed, in_unit[5 * len(POOL_NAMES)],  # reserved_bytes.all
+                tuple((start, peak) for start, peak in marks))
 
     def _apply(self, outcome: tuple) -> None:
         """What replaying a recorded unit from the state it starts and ends in would do to the statistics."""
-        _, stats, changed, _ = outcome
+        stats, changed = outcome[1], outcome[2]
         for s, (peak, allocated, freed) in zip(self._cells(), stats):
             if peak > s[1]:
                 s[1] = peak
@@ -364,12 +413,23 @@ class SimulatedDevice:
                 p[0] = reserved
 
     def watch(self) -> list[int]:
-        """Start following the peak of reserved memory; returns the [peak] cell to read and ``unwatch``."""
-        cell = [self.reserved()]
-        self.peaks.append(cell)
+        """Start following the peak of reserved memory; returns the [peak, reserved at the start] cell to read
+        and ``unwatch``. Where events are queued, the start is a mark in the queue, filled when the queue runs:
+        the events before and after it then run as one unit (a block and what happened since the last one:
+        the same each step of a loop, and so reused)."""
+        cell = [0, 0]
+        if self.ledger is not None:
+            self.ledger.settle()  # frees of storages that died since the counter last did its books
+        if self._queue and self.lazy and self._alloc.allowed_memory_maximum is None and not self.failed:
+            self._queue.append((cell, -1))
+        else:
+            self.flush()
+            cell[0] = cell[1] = self._alloc.memory_reserved()
+            self.peaks.append(cell)
         return cell
 
     def unwatch(self, cell: list[int]) -> int:
+        """Stop following a block's peak; returns it (and fills the cell's start)."""
         self._catch_up()
         for i, c in enumerate(self.peaks):
             if c is cell:  # this block's cell: another block's may hold the same number
