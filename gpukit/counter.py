@@ -268,11 +268,18 @@ class _CountingMode(TorchDispatchMode):
             return NotImplemented
         ledger = self.ledger
         listener = ledger.listener
-        if ledger.quick and not ledger.limits and (listener is None or not listener.books_at_once()):
+        if ledger.quick and not ledger.limits and (listener is None or listener._alloc.allowed_memory_maximum is None):  # books_at_once(), inlined
             # The hot path: the op's new storages are queued, booked in order with the frees at the next
             # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
             # step comes here, so it is written out: no call but the op and the storage's own methods.
             out = func(*args, **kwargs)
+            aliases = _ALIASES.get(func)
+            if aliases is None:
+                aliases = _ALIASES[func] = _aliases_only(func)
+            if aliases:  # a view, or an in-place op: no storage made, none resized
+                if INTERRUPTS.pending:
+                    INTERRUPTS.deliver()
+                return out
             if type(out) in _PLAIN_TENSORS:
                 outs = (out,)
             elif isinstance(out, (tuple, list)):
@@ -339,6 +346,26 @@ class _CountingMode(TorchDispatchMode):
 
 
 never_traced(_CountingMode.__torch_dispatch__.__code__)
+
+
+_ALIASES: dict = {}  # op -> whether it only returns tensors of storages its inputs have (_aliases_only)
+
+
+def _aliases_only(func) -> bool:
+    """Whether every tensor an op returns aliases one of its inputs, and it cannot change a storage's size:
+    views (``view``, ``t``, ``split``, ``detach``) and in-place ops (``add_``, ``mul_``); not ``out=`` ops, which
+    may resize their output, nor ``resize_`` and ``set_``. From the op's schema: its returns' alias annotations
+    (``Tensor(a)``, ``Tensor(a!)``, as in native_functions.yaml)."""
+    schema = func._schema
+    returns = schema.returns
+    if not returns or any(r.alias_info is None for r in returns):
+        return False
+    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False  # an out= overload
+    name = schema.name.split("::")[-1]
+    if "resize" in name or name.startswith(("set_", "_set")):
+        return False
+    return all(not r.alias_info.is_write for r in returns) or name.endswith("_")
 
 
 def _numel(size) -> int:
@@ -420,6 +447,37 @@ def _tensor_types() -> frozenset:
     return frozenset(kinds)
 
 
+class _TensorKinds:
+    """The tensor types among a scan's objects, known without walking every subclass of ``torch.Tensor`` each
+    time (a process with IPython and torch's subsystems loaded has many: the walk cost a block 40 us): the
+    types met before are remembered as tensor types or not, and only a type not met before is asked."""
+
+    _MAX_OTHERS = 4096  # non-tensor types remembered (classes made on the fly would otherwise pile up)
+
+    def __init__(self) -> None:
+        self.kinds: frozenset = frozenset()
+        self.others: set = set()
+
+    def all(self) -> frozenset:
+        """Every tensor type that exists now (for a full scan, whose objects are too many to collect types of)."""
+        self.kinds = _tensor_types()
+        return self.kinds
+
+    def among(self, objects: list) -> frozenset:
+        """The tensor types, a superset of those of ``objects``."""
+        new = set(map(type, objects))
+        new -= self.kinds
+        new -= self.others
+        if new:
+            found = {t for t in new if issubclass(t, torch.Tensor)}
+            if found:
+                self.kinds = self.kinds | found
+            if len(self.others) > self._MAX_OTHERS:
+                self.others.clear()
+            self.others |= new - found
+        return self.kinds
+
+
 @contextlib.contextmanager
 def gc_paused(full: bool = True):
     """Collect garbage (unless ``full`` is false), then keep the collector still until the end: garbage made
@@ -492,6 +550,7 @@ class Ledger:
         # first scan is a full one). Read, not reported by a gc callback: no gpukit code runs inside a
         # collection, where CPython drops any exception, a KeyboardInterrupt from Ctrl-C included.
         self._gc_runs: list[int] | None = None
+        self._kinds = _TensorKinds()
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -513,7 +572,20 @@ class Ledger:
         if not queue:
             return
         with self._lock:
-            refs, sizes = self._refs, self.sizes
+            listener = self.listener
+            sink = listener.event_queue() if listener is not None else None
+            if self.labels or (listener is not None and sink is None) or any(
+                    t.label is not None or t.events is not None for t in self.tallies):
+                self._settle_each(queue)
+            else:
+                self._settle_quick(queue, sink)
+
+    def _settle_quick(self, queue: collections.deque, sink: list | None) -> None:
+        """``settle`` where no count has a label, no block a timeline, and the simulated device (if any) queues
+        events itself (``sink``): ``_allocated`` and ``_freed`` written out, one pass, the totals kept aside."""
+        refs, sizes, tallies = self._refs, self.sizes, self.tallies
+        live, live_rounded = self._live, self._live_rounded
+        try:
             while queue:
                 ref = queue[0]
                 key, state = ref.key, ref.state
@@ -526,22 +598,71 @@ class Ledger:
                             queue.popleft()
                             continue
                         refs[key] = ref
-                    if self.listener is not None:
-                        self.listener.on_alloc(key, ref.nbytes, True)
+                    nbytes = ref.nbytes
+                    if sink is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
+                        sink.append((key, nbytes))
                     ref.state = _LIVE
-                    sizes[key] = ref.nbytes
-                    self._allocated(ref.nbytes)
+                    sizes[key] = nbytes
+                    rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+                    live += nbytes
+                    live_rounded += rounded
+                    for t in tallies:
+                        t.level += rounded
+                        t.level_unrounded += nbytes
+                        if t.level > t.peak:
+                            t.peak = t.level
+                        if t.level_unrounded > t.peak_unrounded:
+                            t.peak_unrounded = t.level_unrounded
                 elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
                     ref.state = _FREED
                     if refs.get(key) is ref:
                         del refs[key]
-                    if self.listener is not None:
-                        self.listener.on_free(key)
+                    if sink is not None:
+                        sink.append((key, 0))
                     nbytes = sizes.pop(key, 0)
-                    label = self.labels.pop(key, None)
                     if nbytes:
-                        self._freed(nbytes, label)
+                        rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+                        live -= nbytes
+                        live_rounded -= rounded
+                        for t in tallies:
+                            t.level -= rounded
+                            t.level_unrounded -= nbytes
                 queue.popleft()
+        finally:
+            self._live, self._live_rounded = live, live_rounded
+            if sink is not None:
+                self.listener.event_queued()
+
+    def _settle_each(self, queue: collections.deque) -> None:
+        refs, sizes = self._refs, self.sizes
+        while queue:
+            ref = queue[0]
+            key, state = ref.key, ref.state
+            if state == _QUEUED:  # made inside a block
+                current = refs.get(key)
+                if current is not ref:
+                    if current is not None and current.state == _LIVE and current() is not None \
+                            and current() is ref():  # queued again after an interrupted record
+                        ref.state = _FREED
+                        queue.popleft()
+                        continue
+                    refs[key] = ref
+                if self.listener is not None:
+                    self.listener.on_alloc(key, ref.nbytes, True)
+                ref.state = _LIVE
+                sizes[key] = ref.nbytes
+                self._allocated(ref.nbytes)
+            elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
+                ref.state = _FREED
+                if refs.get(key) is ref:
+                    del refs[key]
+                if self.listener is not None:
+                    self.listener.on_free(key)
+                nbytes = sizes.pop(key, 0)
+                label = self.labels.pop(key, None)
+                if nbytes:
+                    self._freed(nbytes, label)
+            queue.popleft()
 
     def _allocated(self, nbytes: int, label: str | None = None) -> None:
         rounded = round_up(nbytes)
@@ -718,11 +839,11 @@ class Ledger:
             if tensors.get(ref.key) is ref:
                 del tensors[ref.key]
         full = dirty >= 1 or not self._incremental
-        kinds = _tensor_types()
         for gen in (None,) if full else range(dirty + 2):
             # No list may be built around these: one made before the call would be
             # inside it, a cycle that keeps every object listed alive until the next collection.
             found = gc.get_objects() if gen is None else gc.get_objects(gen)
+            kinds = self._kinds.all() if gen is None else self._kinds.among(found)
             # The tensors among them, picked without a Python step per object (a full scan meets
             # hundreds of thousands of objects, nearly none of them tensors).
             for obj in itertools.compress(found, map(kinds.__contains__, map(type, found))):
@@ -737,10 +858,29 @@ class Ledger:
                     self._read(obj, [])
         obj = found = None
         graph_roots: list = []
+        sizes, plain = self.sizes, (_PLAIN_TENSORS if not self.fake else ())
         for ref in list(tensors.values()):
             obj = ref()
-            if obj is not None:
+            if obj is None:
+                continue
+            if type(obj) not in plain:
                 self._read(obj, graph_roots)
+                continue
+            # _read, written out for the common case (parameters, gradients, optimizer state: every block
+            # re-reads each of them): a plain tensor's storage, its graph, and a leaf's gradient.
+            if obj.is_cpu and obj.layout is torch.strided:
+                st = obj.untyped_storage()
+                if id(st) not in sizes:
+                    self._track(st, st.nbytes(), counted=False)
+            grad_fn = obj.grad_fn
+            if grad_fn is not None:
+                graph_roots.append(grad_fn)
+                if not obj.retains_grad:
+                    continue
+            grad = obj.grad
+            if grad is not None:
+                self._adopt(grad)
+        obj = None
         if graph_roots:
             # Reading a saved tensor runs the unpack hook it was saved with (saved_tensors_hooks) and an op or
             # two (a detach), under whatever modes this thread has: a fake mode would turn a real saved tensor
@@ -950,7 +1090,7 @@ def _saved_tensors(roots) -> list[torch.Tensor]:
 
 _SAVED_NAMES: dict[type, list[str]] = {}
 
-INTERRUPTS.protect(Ledger.start, Ledger.stop, Ledger.settle, Ledger.see_storage, Ledger._track, Ledger._allocated,
+INTERRUPTS.protect(Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
                    Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 

@@ -129,6 +129,25 @@ def test_resize_is_counted():
     assert r.delta_unrounded == 8000
 
 
+def test_views_and_in_place_ops_count_nothing_and_an_out_op_that_grows_its_output_counts_the_growth():
+    """Device: cpu. The counter skips ops whose outputs only alias their inputs (their schemas say so), but not
+    an ``out=`` op, which resizes an output that is too small, nor ``resize_`` or ``set_``."""
+    from gpukit.counter import _aliases_only
+
+    aten = torch.ops.aten
+    assert all(_aliases_only(op) for op in (aten.view.default, aten.t.default, aten.split.Tensor,
+                                            aten.detach.default, aten.add_.Tensor, aten.mul_.Tensor))
+    assert not any(_aliases_only(op) for op in (aten.add.Tensor, aten.add.out, aten.resize_.default,
+                                                aten.set_.source_Storage, aten.resize_as_.default))
+    a, out = torch.ones(1000), torch.empty(0)
+    with gpukit.measure("cpu", record=False) as r:
+        a.add_(1).mul_(2)
+        v = a.view(10, 100).t()
+        torch.add(a, a, out=out)  # out grows from 0 to 4,000 bytes: a new storage behind the same tensor
+        del v
+    assert (r.peak, r.delta, r.delta_unrounded) == (round_up(4000), round_up(4000), 4000)
+
+
 def test_tensors_on_other_devices_are_not_counted():
     with gpukit.measure(device="cpu") as r:
         m = torch.empty(1_000_000, device="meta")
