@@ -32,7 +32,7 @@ from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
-from .factories import check_optimizer, fake_model
+from .factories import check_factories, check_factory, check_model_factory, check_optimizer, fake_model
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -160,6 +160,8 @@ def predict(make_model: Callable[[], nn.Module],
         A ``Prediction``.
 
     Raises:
+        TypeError: a model, an optimizer or a batch passed where the function that builds it is expected
+            (``predict(model, ...)``); the message says what to pass.
         ValueError: ``make_optimizer`` returned an optimizer that already exists (over real tensors, not the
             parameters given), which the prediction would step; or ``make_model`` returned a model that already
             exists and cannot be deep-copied. Neither is changed.
@@ -169,6 +171,7 @@ def predict(make_model: Callable[[], nn.Module],
         RuntimeError: from the step, when it does something fake tensors cannot
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
+    check_factories(make_model, make_optimizer, make_batch)
     kind = torch.device(device).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
@@ -308,6 +311,7 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     """
     from .meter import measure, resolve_device
 
+    check_factories(make_model, make_optimizer, make_batch, copied=False)
     dev = resolve_device(device)
     torch.manual_seed(seed)
     model = make_model().to(dev)
@@ -405,6 +409,8 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
     Runs one forward pass under fake tensors (nothing is allocated), so it works for
     models far too big for this machine. A model that already exists (``lambda: model``) is run as a fake copy.
     """
+    check_model_factory(make_model)
+    check_factory(make_input, "make_input", "lambda: torch.zeros(...)", builds="the input")
     rows: list[dict] = []
     with FakeTensorMode():
         model = fake_model(make_model)
@@ -430,6 +436,7 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
 def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[], Any], batch_size: int,
                   optimizer: torch.optim.Optimizer | str = "adam", bytes_per_value: int = 4) -> RuleOfThumb:
     """The rule of thumb for a model: ``make_sample`` builds the input of ONE sample (batch of 1)."""
+    check_factory(make_sample, "make_sample", "lambda: torch.zeros(1, ...)", builds="the sample")
     rows = layer_table(make_model, make_sample)
     with FakeTensorMode():
         n_params = sum(p.numel() for p in fake_model(make_model).parameters())

@@ -1,15 +1,18 @@
-"""The user's own model and optimizer kept out of a prediction, whatever its factories return.
+"""The factories the entry points take, checked; and the user's own model kept out of a prediction.
 
 Every entry point takes *factories* (DESIGN, "Contract of every entry point"): ``make_model()`` builds a
 model, ``make_optimizer(params)`` an optimizer over the parameters it is given, ``make_batch()`` a batch.
 A prediction calls them under ``FakeTensorMode``, where what they build holds fake tensors: shapes, no
-memory. A factory that returns what already exists (``lambda: model``) would let a prediction reach the user's
-objects, which it must never change. The model's tensors are real, and a fake step would leave fake
-gradients on them: the next real ``backward()`` adds into a fake tensor and ``step()`` changes no weight,
-silently. ``fake_model`` predicts on a copy of such a model instead: ``copy.deepcopy`` with each of its real
-tensors mapped to a fake tensor of the same shape, dtype, device and aliasing (no value copied, nothing
-allocated). The model is only read. An optimizer that already exists (``lambda params: optimizer``) holds
-real tensors: ``check_optimizer`` refuses it before it can step.
+memory. Two slips would let a prediction reach the user's objects, which it must never change:
+
+* an object where a factory is expected (``predict(model, ...)``): ``check_factory`` raises a TypeError
+  that says what to pass;
+* a factory that returns what already exists (``lambda: model``). Its tensors are real, and a fake step
+  would leave fake gradients on them: the next real ``backward()`` adds into a fake tensor and ``step()``
+  changes no weight, silently. ``fake_model`` predicts on a copy of such a model instead: ``copy.deepcopy``
+  with each of its real tensors mapped to a fake tensor of the same shape, dtype, device and aliasing (no
+  value copied, nothing allocated). The model is only read. An optimizer that already exists
+  (``lambda params: optimizer``) holds real tensors: ``check_optimizer`` refuses it before it can step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,54 @@ import torch
 from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode, _disable_current_modes, active_fake_mode, tree_flatten
+
+
+def check_factory(value: Any, name: str, example: str, builds: str = "one") -> None:
+    """Raise a TypeError where ``value`` is an object, not a function that builds one.
+
+    Args:
+        value: what was passed as the factory ``name`` (``"make_model"``...).
+        name: the argument's name, as the message shows it.
+        example: a factory to suggest (``"lambda: MyNet(...)"``).
+        builds: what the factory builds, as the message says it (``"one"``, ``"the batch"``).
+
+    Raises:
+        TypeError: ``value`` is a model, an optimizer, or anything else that cannot be called.
+    """
+    if isinstance(value, nn.Module):  # callable (its forward), but not a factory
+        what = f"a model ({type(value).__name__})"
+    elif isinstance(value, torch.optim.Optimizer):
+        what = f"an optimizer ({type(value).__name__})"
+    elif not callable(value):
+        what = f"a {type(value).__name__}"
+    else:
+        return
+    raise TypeError(f"{name} is {what}, not a function that builds {builds}: pass {example}")
+
+
+def check_model_factory(make_model: Any, name: str = "make_model", *, copied: bool = True) -> None:
+    """``check_factory`` for a model factory; ``copied``: the entry point predicts a model that already exists
+    (``lambda: model``) on a fake copy, and the message says so."""
+    cls = type(make_model).__name__ if isinstance(make_model, nn.Module) else "MyNet"
+    note = (", or lambda: model for a model you already have (predicted on a fake copy; the model is left as it "
+            "is)") if copied and isinstance(make_model, nn.Module) else ""
+    check_factory(make_model, name, f"lambda: {cls}(...){note}")
+
+
+def check_optimizer_factory(make_optimizer: Any, name: str = "make_optimizer") -> None:
+    """``check_factory`` for an optimizer factory, which builds an optimizer over the parameters it is given."""
+    opt = make_optimizer
+    cls = f"torch.optim.{type(opt).__name__}" if isinstance(opt, torch.optim.Optimizer) and \
+        getattr(torch.optim, type(opt).__name__, None) is type(opt) else "torch.optim.AdamW"
+    check_factory(opt, name, f"lambda params: {cls}(params, ...), which builds it over the parameters it is given")
+
+
+def check_factories(make_model: Any, make_optimizer: Any, make_batch: Any, *, batch: str = "lambda: batch",
+                    copied: bool = True) -> None:
+    """The checks above for the three factories of a training step (``batch``: the batch factory to suggest)."""
+    check_model_factory(make_model, copied=copied)
+    check_optimizer_factory(make_optimizer)
+    check_factory(make_batch, "make_batch", batch, builds="the batch")
 
 
 def real_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -104,4 +155,5 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     return fake
 
 
-__all__ = ["check_optimizer", "fake_copy", "fake_model", "real_tensors"]
+__all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
+           "fake_copy", "fake_model", "real_tensors"]

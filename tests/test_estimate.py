@@ -364,6 +364,26 @@ def test_a_prediction_changes_nothing_of_the_users_model_even_when_it_fails_part
     assert not torch.equal(model.head.weight, before)
 
 
+@pytest.mark.parametrize("wrong, message", [
+    ("model", r"make_model is a model \(MLP\), not a function that builds one: pass lambda: MLP\(\.\.\.\), or "
+              r"lambda: model for a model you already have"),
+    ("optimizer", r"make_optimizer is an optimizer \(Adam\), not a function that builds one: pass "
+                  r"lambda params: torch\.optim\.Adam\(params, \.\.\.\)"),
+    ("batch", r"make_batch is a tuple, not a function that builds the batch: pass lambda: batch"),
+    ("tensor", r"make_batch is a Tensor, not a function that builds the batch: pass lambda: batch"),
+])
+def test_an_object_passed_where_its_factory_is_expected_is_refused_with_what_to_pass_on_the_cpu(wrong, message):
+    model = MLP(width=16, depth=1)
+    snap = snapshot(model)
+    args = {"model": (model, lambda q: torch.optim.Adam(q), small_batch),
+            "optimizer": (MLP, torch.optim.Adam(model.parameters()), small_batch),
+            "batch": (MLP, lambda q: torch.optim.Adam(q), small_batch()),
+            "tensor": (MLP, lambda q: torch.optim.Adam(q), small_batch()[0])}[wrong]
+    with pytest.raises(TypeError, match=message):
+        predict(*args)
+    assert_same(model, snap)
+
+
 @pytest.mark.parametrize("existing_model", [False, True])
 def test_an_optimizer_that_already_exists_is_refused_and_left_as_it_is_on_the_cpu(existing_model):
     """make_optimizer returning the user's optimizer (lambda p: optimizer) would be stepped by the prediction:
