@@ -77,6 +77,16 @@ _current_graph_task_id = _require(torch._C, "_current_graph_task_id", "torch._C"
 # The autograd node running on this thread (None outside backward): CUDA backward runs on the engine's
 # device threads, each with its own cuBLAS handle and workspace (gpukit.cudarules).
 current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
+# FakeTensorMode is entered into a slot of the dispatcher's own (its ``_mode_key``, torch/_subclasses/fake_tensor.py),
+# read here to find the mode a factory is called under, whatever modes sit above it.
+_get_dispatch_mode = _require(torch._C, "_get_dispatch_mode", "torch._C")
+_FAKE_MODE_KEY = _require(_require(torch._C, "_TorchDispatchModeKey", "torch._C"), "FAKE",
+                          "torch._C._TorchDispatchModeKey")
+
+
+def active_fake_mode() -> FakeTensorMode | None:
+    """The ``FakeTensorMode`` this thread runs under, or None."""
+    return _get_dispatch_mode(_FAKE_MODE_KEY)
 
 
 def in_backward() -> bool:
@@ -335,4 +345,4 @@ __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "Dat
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
            "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
-           "dynamo_code_in_question", "let_dynamo_trace_again"]
+           "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode"]

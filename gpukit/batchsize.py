@@ -27,6 +27,7 @@ from ._torch import tree_map_only
 from .budget import budget
 from .counter import gc_paused
 from .estimate import default_step, predict, state_bytes
+from .factories import check_factories
 from .meter import measure, resolve_device
 from .report import parse_bytes
 
@@ -76,6 +77,7 @@ class Trainer:
                  make_optimizer: Callable[[Any], torch.optim.Optimizer],
                  make_batch: Callable[[int], Any], limit: int | str, step: Callable = default_step,
                  device: str | torch.device | None = None, seed: int = 0) -> None:
+        check_factories(make_model, make_optimizer, make_batch, batch="lambda b: (x[:b], y[:b])", copied=False)
         self.make_model, self.make_optimizer, self.make_batch, self.step = make_model, make_optimizer, make_batch, step
         self.limit = parse_bytes(limit)
         self.device = resolve_device(device)

@@ -32,6 +32,7 @@ from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
+from .factories import check_factories, check_factory, check_model_factory, check_optimizer, fake_model
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -138,11 +139,16 @@ def predict(make_model: Callable[[], nn.Module],
 
     Everything is built under ``FakeTensorMode``, so nothing is allocated; real
     tensors that ``make_batch`` returns or the step meets are turned into fake ones.
+    Nothing of yours is changed: a model that already exists (``lambda: model``) is
+    predicted on a fake copy (``gpukit.factories``), and the model itself is only read.
 
     Args:
-        make_model: builds the model (``lambda: MyNet(...)``), as for a real run.
-        make_optimizer: builds the optimizer from the parameters (``lambda p: torch.optim.Adam(p)``).
-        make_batch: builds one batch, passed to ``step`` as it is.
+        make_model: builds the model (``lambda: MyNet(...)``), as for a real run. ``lambda: model`` for a
+            model you already have: the prediction runs on a copy with fake tensors (no gradients, the
+            training flag and module hooks as the model has them), and the model keeps its weights,
+            gradients, buffers and hooks as they were.
+        make_optimizer: builds a new optimizer over the parameters it is given (``lambda p: torch.optim.Adam(p)``).
+        make_batch: builds one batch, passed to ``step`` as it is (real tensors are fine: they become fake).
         step: runs one training step: ``step(model, optimizer, batch)``.
         warmup_steps: steps run before the predicted one, so that gradients and
             optimizer state exist as they do in the steady state of training.
@@ -154,12 +160,18 @@ def predict(make_model: Callable[[], nn.Module],
         A ``Prediction``.
 
     Raises:
+        TypeError: a model, an optimizer or a batch passed where the function that builds it is expected
+            (``predict(model, ...)``); the message says what to pass.
+        ValueError: ``make_optimizer`` returned an optimizer that already exists (over real tensors, not the
+            parameters given), which the prediction would step; or ``make_model`` returned a model that already
+            exists and cannot be deep-copied. Neither is changed.
         RuntimeError, IndexError...: the real error, where the step would fail for real (a dtype mismatch, wrong
             shapes, class labels or token ids out of range where the batch's values are known): each op small
             enough is run once for real on the CPU (gpukit.fakecheck).
         RuntimeError: from the step, when it does something fake tensors cannot
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
+    check_factories(make_model, make_optimizer, make_batch)
     kind = torch.device(device).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
@@ -189,8 +201,9 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             # clone() and a storage copy; a fake tensor answers with a warning that blames the user's code.
             # It is torch's own question, and the copy is right (it clones), so the model's author never sees it.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
-            model = make_model()
+            model = fake_model(make_model)  # a model that already existed: a fake copy, the user's left alone
         optimizer = make_optimizer(model.parameters())
+        check_optimizer(optimizer)
         if kind == "cuda":
             use_cuda_optimizer_defaults(optimizer)
         batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check),
@@ -298,6 +311,7 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     """
     from .meter import measure, resolve_device
 
+    check_factories(make_model, make_optimizer, make_batch, copied=False)
     dev = resolve_device(device)
     torch.manual_seed(seed)
     model = make_model().to(dev)
@@ -393,11 +407,13 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
     """Every leaf module in forward order: its output shape, output elements and parameters.
 
     Runs one forward pass under fake tensors (nothing is allocated), so it works for
-    models far too big for this machine.
+    models far too big for this machine. A model that already exists (``lambda: model``) is run as a fake copy.
     """
+    check_model_factory(make_model)
+    check_factory(make_input, "make_input", "lambda: torch.zeros(...)", builds="the input")
     rows: list[dict] = []
     with FakeTensorMode():
-        model = make_model()
+        model = fake_model(make_model)
         x = make_input()
 
         def hook(module, _inputs, output):
@@ -420,9 +436,10 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
 def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[], Any], batch_size: int,
                   optimizer: torch.optim.Optimizer | str = "adam", bytes_per_value: int = 4) -> RuleOfThumb:
     """The rule of thumb for a model: ``make_sample`` builds the input of ONE sample (batch of 1)."""
+    check_factory(make_sample, "make_sample", "lambda: torch.zeros(1, ...)", builds="the sample")
     rows = layer_table(make_model, make_sample)
     with FakeTensorMode():
-        n_params = sum(p.numel() for p in make_model().parameters())
+        n_params = sum(p.numel() for p in fake_model(make_model).parameters())
     return RuleOfThumb(parameters=n_params, n=optimizer_copies(optimizer), bytes_per_value=bytes_per_value,
                        batch_size=batch_size, activations_per_sample=sum(r["output elements"] for r in rows))
 

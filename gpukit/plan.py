@@ -39,6 +39,7 @@ device it ran on).
 from __future__ import annotations
 
 import contextlib
+import copy
 import heapq
 import html
 import inspect
@@ -55,6 +56,7 @@ from torch import nn
 from ._torch import FakeTensorMode, ScalerThatAlwaysSteps, tree_flatten, tree_map_only
 from .counter import round_up
 from .estimate import CONTEXT_ALLOWANCE, Prediction, predict
+from .factories import check_factories, check_optimizer, fake_copy, fake_model, real_tensors
 from .report import format_bytes, parse_bytes
 from .step import Technique, checkpoint_plan, half_with_float_batchnorm, train_step
 
@@ -258,6 +260,7 @@ class _ModelFacts:
     checkpoint_text: str
     checkpoint_code: str
     largest_block_bytes: int  # float32 parameter bytes of the largest checkpoint block (FSDP's unit)
+    existing_model: bool = False  # make_model() returns a model that already exists (real tensors under fake mode)
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
@@ -271,8 +274,11 @@ def _model_facts(make_model, make_batch) -> _ModelFacts:
     """Shapes, parameters and forward FLOPs, under fake tensors (nothing allocated)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         model = make_model()
+        existing = bool(real_tensors(model))
+        if existing:  # the user's own model (lambda: model): read through a fake copy, never run itself
+            model = fake_copy(model, fake_mode)
         batch = make_batch()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
             raise ValueError("make_batch() must return (inputs, targets), two tensors whose first dimension is "
@@ -322,7 +328,7 @@ def _model_facts(make_model, make_batch) -> _ModelFacts:
                     f"    checkpoint_sequential, {where}, {cp.segments}, use_reentrant=False)")
         else:
             code = ""
-    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest)
+    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing)
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------
@@ -363,6 +369,7 @@ def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str,
 def _optimizer_name(make_optimizer) -> str:
     with FakeTensorMode():
         opt = make_optimizer([nn.Parameter(torch.zeros(2))])
+        check_optimizer(opt)  # one that already exists would be stepped by every prediction: refused first
     name = type(opt).__name__
     if isinstance(opt, torch.optim.SGD):
         name += f"(momentum={opt.defaults.get('momentum', 0)})"
@@ -436,9 +443,14 @@ def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
 
 
 def _model_maker(make_model, precision: str, fake: bool = True):
+    """A candidate's model factory. ``fake``: called under fake tensors, where a model that already exists comes
+    as a fake copy (``gpukit.factories.fake_model``), so that making it half never reaches the user's model."""
+    if fake:
+        return lambda: (_half_with_float_batchnorm_fake if precision == "half" else (lambda m: m))(
+            fake_model(make_model))
     if precision != "half":
         return make_model
-    return lambda: (_half_with_float_batchnorm_fake if fake else half_with_float_batchnorm)(make_model())
+    return lambda: half_with_float_batchnorm(make_model())
 
 
 def _optimizer_only(info: dict):
@@ -472,6 +484,8 @@ class _Search:
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
         self.alternatives = alternatives
         self.facts = _model_facts(make_model, make_batch)
+        # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
+        self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
         b = self.facts.batch_size
         if b % gpus:
             raise ValueError(f"the batch of {b} does not divide among {gpus} GPUs; make it a multiple of {gpus}")
@@ -739,7 +753,9 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 
     Args:
         make_model, make_optimizer, make_batch: as for ``gpukit.estimate.predict``; ``make_batch()`` returns
-            ``(inputs, targets)`` of the whole batch, as ``gpukit.step.train_step`` takes them.
+            ``(inputs, targets)`` of the whole batch, as ``gpukit.step.train_step`` takes them. A model that
+            already exists (``lambda: model``) is predicted on fake copies and verified on a real copy
+            (``copy.deepcopy``): it is never converted or stepped itself.
         budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes.
         device: ``"cuda"`` (CUDA's code paths, reserved memory, the context allowance) or ``"cpu"``
             (allocated memory, what ``gpukit.budget`` caps on a CPU).
@@ -766,9 +782,12 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 
     Raises:
         ValueError: for a budget, device, precision, strategy or accumulation that is not one (the message lists
-            what is allowed), or a batch that is not ``(inputs, targets)``.
+            what is allowed), a batch that is not ``(inputs, targets)``, or an optimizer that already exists
+            returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
+        TypeError: a model, optimizer or batch passed where the function that builds it is expected.
     """
     t0 = time.perf_counter()
+    check_factories(make_model, make_optimizer, make_batch, batch="lambda: (inputs, targets)")
     limit = parse_bytes(budget)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
@@ -815,7 +834,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         verification = _verify(search, rows, choice)
     result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
-    result._make_model, result._make_batch = make_model, make_batch
+    result._make_model, result._make_batch = search.make_real_model, make_batch
     return result
 
 
@@ -905,19 +924,19 @@ def _verify(search: _Search, rows: list[Row], choice: Row | None) -> Verificatio
     # Time each fitting candidate's step here, beside the plain step's.
     plain = Candidate(next(iter(make_opt)))
     try:
-        _, _, base = run_candidate(search.make_model, make_opt[plain.optimizer][0], search.make_batch, plain,
+        _, _, base = run_candidate(search.make_real_model, make_opt[plain.optimizer][0], search.make_batch, plain,
                                    device=here, timed_steps=3)
         for r in [search.rows[c] for c in search.found]:
             if _small_enough(search, r):
-                _, _, s = run_candidate(search.make_model, make_opt[r.candidate.optimizer][0], search.make_batch,
-                                        r.candidate, device=here, timed_steps=3)
+                _, _, s = run_candidate(search.make_real_model, make_opt[r.candidate.optimizer][0],
+                                        search.make_batch, r.candidate, device=here, timed_steps=3)
                 r.measured_slowdown, r.measured_on = s / base, here
     except (RuntimeError, NotImplementedError) as err:  # a kernel this machine lacks (float16 on some CPUs)
         return Verification(False, f"could not run here: {str(err).splitlines()[0][:120]}")
     c = choice.candidate
     limit = search.limit - search.allowance if here == search.device else None
     try:
-        _, measured, _ = run_candidate(search.make_model, make_opt[c.optimizer][0], search.make_batch, c,
+        _, measured, _ = run_candidate(search.make_real_model, make_opt[c.optimizer][0], search.make_batch, c,
                                        device=here, limit=limit)
         fitted = True
     except torch.OutOfMemoryError:

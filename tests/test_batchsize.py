@@ -62,3 +62,20 @@ def test_a_budget_too_small_for_one_sample_finds_nothing():
     assert predict_then_confirm(trainer).batch == 0
     with pytest.warns(gpukit.BudgetWarning, match="already exceeded as it opens"):  # the model alone is over it
         assert double_then_bisect(trainer).batch == 0
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ("model", r"make_model is a model \(MLP\), not a function that builds one: pass lambda: MLP\(\.\.\.\)$"),
+    ("optimizer", r"make_optimizer is an optimizer \(Adam\), not a function that builds one"),
+    ("batch", r"make_batch is a tuple, not a function that builds the batch: pass lambda b: \(x\[:b\], y\[:b\]\)"),
+])
+def test_an_object_passed_where_its_factory_is_expected_is_refused_before_any_step_on_the_cpu(wrong, message):
+    """A Trainer runs real steps on what the factories build: an object passed itself is refused, untouched."""
+    model = MLP(width=16, depth=1)
+    optimizer = torch.optim.Adam(model.parameters())
+    args = {"model": (model, lambda p: torch.optim.Adam(p), digits_batch),
+            "optimizer": (MLP, optimizer, digits_batch),
+            "batch": (MLP, lambda p: torch.optim.Adam(p), digits_batch(4))}[wrong]
+    with pytest.raises(TypeError, match=message):
+        Trainer(*args, "1GB", device="cpu")
+    assert not optimizer.state and all(w.grad is None for w in model.parameters())

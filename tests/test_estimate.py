@@ -1,5 +1,6 @@
 """Predictions under fake tensors: exact against real measured steps, and the rule of thumb's terms."""
 
+import copy
 import gc
 import subprocess
 import sys
@@ -271,3 +272,159 @@ def test_predicting_a_model_that_deep_copies_its_layers_warns_nothing_on_cpu():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "data pointer of FakeTensor" not in done.stdout + done.stderr
+
+
+# -- the user's own objects: a prediction never changes them (gpukit.factories) ---------------------------------
+
+
+def small_batch():
+    x, y = load_digits()
+    return x[:16].clone(), y[:16].clone()
+
+
+def train_once(model, x, y):
+    """The user's next real step, as the issue met it: backward into the gradients there are, then step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def test_a_model_that_already_exists_trains_after_its_prediction_on_the_cpu():
+    """predict(lambda: model, ...) used to leave fake gradients on the model: the next real backward() added into
+    them and step() changed no weight, silently. The model must train as a never-predicted twin does."""
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=1)
+    twin = copy.deepcopy(model)
+    x, y = small_batch()
+    p = predict(lambda: model, lambda q: torch.optim.Adam(q), small_batch)
+    assert p.peak == predict(lambda: MLP(width=32, depth=1), lambda q: torch.optim.Adam(q), small_batch).peak
+    before = [w.detach().clone() for w in model.parameters()]
+    train_once(model, x, y)
+    train_once(twin, x, y)
+    for w, w0, t in zip(model.parameters(), before, twin.parameters()):
+        assert type(w.grad) is torch.Tensor and torch.equal(w.grad, t.grad)
+        assert not torch.equal(w, w0) and torch.equal(w, t)
+
+
+def snapshot(model):
+    """Everything of a model a prediction could change: tensors (values, types, version counters), gradients,
+    hooks, the training flag, attributes."""
+    state = {k: (type(v), v.detach().clone(), v._version) for k, v in model.state_dict(keep_vars=True).items()}
+    grads = {k: (type(v.grad), v.grad.clone()) for k, v in model.named_parameters() if v.grad is not None}
+    hooks = {n: {k: list(getattr(m, k)) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)}
+             for n, m in model.named_modules()}
+    tensor_hooks = {k: dict(v._backward_hooks or {}) for k, v in model.named_parameters()}
+    flags = {n: m.training for n, m in model.named_modules()}
+    return state, grads, hooks, tensor_hooks, flags, {n: sorted(vars(m)) for n, m in model.named_modules()}
+
+
+def assert_same(model, snap):
+    state, grads, hooks, tensor_hooks, flags, attrs = snapshot(model)
+    assert state.keys() == snap[0].keys()
+    for k, (kind, value, version) in state.items():
+        assert kind is snap[0][k][0] and torch.equal(value, snap[0][k][1]) and version == snap[0][k][2], k
+    assert grads.keys() == snap[1].keys()
+    assert all(kind is torch.Tensor and torch.equal(g, snap[1][k][1]) for k, (kind, g) in grads.items())
+    assert (hooks, tensor_hooks, flags, attrs) == snap[2:]
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fails", [None, RuntimeError, KeyboardInterrupt])
+def test_a_prediction_changes_nothing_of_the_users_model_even_when_it_fails_part_way_on_the_cpu(fails):
+    """BatchNorm's buffers, real gradients, a module hook, a tensor hook and eval mode are left as they were,
+    whether the step completes, raises after its backward, or is interrupted (Ctrl-C) there."""
+    from gpukit.lessons.models import ConvNet
+
+    torch.manual_seed(0)
+    model = ConvNet(channels=4)
+    x, y = small_batch()
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # real gradients, and statistics, to keep
+    model.eval()
+    model.head.register_forward_hook(lambda *_: None)
+    model.head.weight.register_hook(lambda g: g)
+    snap = snapshot(model)
+
+    def step(m, optimizer, batch):
+        default_step(m, optimizer, batch)
+        if fails is not None:
+            raise fails("stopped part-way")
+
+    if fails is None:
+        predict(lambda: model, lambda q: torch.optim.Adam(q), small_batch, step)
+    else:
+        with pytest.raises(fails, match="part-way"):
+            predict(lambda: model, lambda q: torch.optim.Adam(q), small_batch, step)
+    assert_same(model, snap)
+    model.train()
+    before = model.head.weight.detach().clone()
+    train_once(model, x, y)
+    assert not torch.equal(model.head.weight, before)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ("model", r"make_model is a model \(MLP\), not a function that builds one: pass lambda: MLP\(\.\.\.\), or "
+              r"lambda: model for a model you already have"),
+    ("optimizer", r"make_optimizer is an optimizer \(Adam\), not a function that builds one: pass "
+                  r"lambda params: torch\.optim\.Adam\(params, \.\.\.\)"),
+    ("batch", r"make_batch is a tuple, not a function that builds the batch: pass lambda: batch"),
+    ("tensor", r"make_batch is a Tensor, not a function that builds the batch: pass lambda: batch"),
+])
+def test_an_object_passed_where_its_factory_is_expected_is_refused_with_what_to_pass_on_the_cpu(wrong, message):
+    model = MLP(width=16, depth=1)
+    snap = snapshot(model)
+    args = {"model": (model, lambda q: torch.optim.Adam(q), small_batch),
+            "optimizer": (MLP, torch.optim.Adam(model.parameters()), small_batch),
+            "batch": (MLP, lambda q: torch.optim.Adam(q), small_batch()),
+            "tensor": (MLP, lambda q: torch.optim.Adam(q), small_batch()[0])}[wrong]
+    with pytest.raises(TypeError, match=message):
+        predict(*args)
+    assert_same(model, snap)
+
+
+@pytest.mark.parametrize("existing_model", [False, True])
+def test_an_optimizer_that_already_exists_is_refused_and_left_as_it_is_on_the_cpu(existing_model):
+    """make_optimizer returning the user's optimizer (lambda p: optimizer) would be stepped by the prediction:
+    refused before any step, the optimizer's state and the model unchanged."""
+    torch.manual_seed(0)
+    model = MLP(width=16, depth=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = small_batch()
+    default_step(model, optimizer, (x, y))  # state to keep
+    state = {id(p): {k: (v.clone(), v._version) for k, v in s.items()} for p, s in optimizer.state.items()}
+    snap = snapshot(model)
+    make_model = (lambda: model) if existing_model else (lambda: MLP(width=16, depth=1))
+    with pytest.raises(ValueError, match=r"make_optimizer returned an optimizer \(Adam\) over real tensors.*"
+                                         r"already exists.*lambda params: torch\.optim\.Adam\(params, \.\.\.\)"):
+        predict(make_model, lambda q: optimizer, small_batch)
+    assert_same(model, snap)
+    assert {id(p) for p in optimizer.state} == set(state)
+    for p, s in optimizer.state.items():
+        assert all(type(v) is torch.Tensor and torch.equal(v, state[id(p)][k][0]) and v._version == state[id(p)][k][1]
+                   for k, v in s.items())
+    before = model.net[1].weight.detach().clone()
+    default_step(model, optimizer, (x, y))
+    assert not torch.equal(model.net[1].weight, before)
+
+
+def test_the_layer_table_and_rule_of_thumb_of_a_model_that_already_exists_run_on_a_fake_copy_on_the_cpu():
+    model = MLP(n_in=64, width=32, depth=1)
+    snap = snapshot(model)
+    sample = lambda: torch.zeros(1, 1, 8, 8)  # noqa: E731
+    assert layer_table(lambda: model, sample) == layer_table(lambda: MLP(n_in=64, width=32, depth=1), sample)
+    assert rule_of_thumb(lambda: model, sample, 8).total == rule_of_thumb(lambda: MLP(n_in=64, width=32, depth=1),
+                                                                          sample, 8).total
+    assert_same(model, snap)
+
+
+def test_a_model_that_already_exists_and_cannot_be_copied_is_refused_and_left_as_it_is_on_the_cpu():
+    import threading
+
+    model = MLP(width=16, depth=1)
+    model.lock = threading.Lock()  # copy.deepcopy refuses it
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"already exists .* cannot be copied to fake tensors.*lambda: MLP\(\.\.\.\)"):
+        predict(lambda: model, lambda q: torch.optim.Adam(q), small_batch)
+    assert_same(model, snap)

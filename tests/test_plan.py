@@ -199,5 +199,39 @@ def test_a_batch_that_is_not_inputs_and_targets_is_refused():
         plan(make_model, make_opt, lambda: torch.zeros(4, 64), budget="1GB", device=DEVICE)
 
 
+def test_a_model_that_already_exists_is_planned_and_verified_on_copies_and_left_as_it_is_on_the_cpu():
+    """plan(lambda: model, ...) converts a candidate's model to half and runs real steps: on copies (fake ones to
+    predict, a real one to verify), never on the user's model, which keeps its float32 weights and trains."""
+    torch.manual_seed(0)
+    model = MLP(width=16, depth=1)
+    x, y = digits_batch(16)
+    weights = [w.detach().clone() for w in model.parameters()]
+    p = plan(lambda: model, lambda q: torch.optim.SGD(q, lr=0.1), lambda: (x, y), budget="1GB", device=DEVICE,
+             precisions=("half",), accumulate=[1], checkpointing=False, offload=False, implementations=False,
+             alternatives=0)
+    assert p.choice.candidate.precision == "half" and p.verification.ran and p.verification.fitted  # a real step
+    for w, w0 in zip(model.parameters(), weights):
+        assert type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.grad is None and torch.equal(w, w0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, optimizer, (x, y))
+    assert not torch.equal(model.net[-1].weight, weights[-2])
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ("model", r"make_model is a model \(MLP\), not a function that builds one: pass lambda: MLP\(\.\.\.\)"),
+    ("optimizer", r"make_optimizer is an optimizer \(Adam\), not a function that builds one"),
+    ("existing optimizer", r"make_optimizer returned an optimizer \(Adam\) over real tensors"),
+])
+def test_an_object_passed_where_its_factory_is_expected_is_refused_on_the_cpu(wrong, message):
+    make_model, make_opt, make_batch = mlp_case(16)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    args = {"model": (model, make_opt), "optimizer": (make_model, optimizer),
+            "existing optimizer": (make_model, lambda q: optimizer)}[wrong]
+    with pytest.raises((TypeError, ValueError), match=message):
+        plan(*args, make_batch, budget="1GB", device=DEVICE)
+    assert not optimizer.state and all(w.grad is None for w in model.parameters())
+
+
 def test_plan_is_exported():
     assert gpukit.plan is plan

@@ -1,0 +1,159 @@
+"""The factories the entry points take, checked; and the user's own model kept out of a prediction.
+
+Every entry point takes *factories* (DESIGN, "Contract of every entry point"): ``make_model()`` builds a
+model, ``make_optimizer(params)`` an optimizer over the parameters it is given, ``make_batch()`` a batch.
+A prediction calls them under ``FakeTensorMode``, where what they build holds fake tensors: shapes, no
+memory. Two slips would let a prediction reach the user's objects, which it must never change:
+
+* an object where a factory is expected (``predict(model, ...)``): ``check_factory`` raises a TypeError
+  that says what to pass;
+* a factory that returns what already exists (``lambda: model``). Its tensors are real, and a fake step
+  would leave fake gradients on them: the next real ``backward()`` adds into a fake tensor and ``step()``
+  changes no weight, silently. ``fake_model`` predicts on a copy of such a model instead: ``copy.deepcopy``
+  with each of its real tensors mapped to a fake tensor of the same shape, dtype, device and aliasing (no
+  value copied, nothing allocated). The model is only read. An optimizer that already exists
+  (``lambda params: optimizer``) holds real tensors: ``check_optimizer`` refuses it before it can step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._torch import FakeTensor, FakeTensorMode, _disable_current_modes, active_fake_mode, tree_flatten
+
+
+def check_factory(value: Any, name: str, example: str, builds: str = "one") -> None:
+    """Raise a TypeError where ``value`` is an object, not a function that builds one.
+
+    Args:
+        value: what was passed as the factory ``name`` (``"make_model"``...).
+        name: the argument's name, as the message shows it.
+        example: a factory to suggest (``"lambda: MyNet(...)"``).
+        builds: what the factory builds, as the message says it (``"one"``, ``"the batch"``).
+
+    Raises:
+        TypeError: ``value`` is a model, an optimizer, or anything else that cannot be called.
+    """
+    if isinstance(value, nn.Module):  # callable (its forward), but not a factory
+        what = f"a model ({type(value).__name__})"
+    elif isinstance(value, torch.optim.Optimizer):
+        what = f"an optimizer ({type(value).__name__})"
+    elif not callable(value):
+        what = f"a {type(value).__name__}"
+    else:
+        return
+    raise TypeError(f"{name} is {what}, not a function that builds {builds}: pass {example}")
+
+
+def check_model_factory(make_model: Any, name: str = "make_model", *, copied: bool = True) -> None:
+    """``check_factory`` for a model factory; ``copied``: the entry point predicts a model that already exists
+    (``lambda: model``) on a fake copy, and the message says so."""
+    cls = type(make_model).__name__ if isinstance(make_model, nn.Module) else "MyNet"
+    note = (", or lambda: model for a model you already have (predicted on a fake copy; the model is left as it "
+            "is)") if copied and isinstance(make_model, nn.Module) else ""
+    check_factory(make_model, name, f"lambda: {cls}(...){note}")
+
+
+def check_optimizer_factory(make_optimizer: Any, name: str = "make_optimizer") -> None:
+    """``check_factory`` for an optimizer factory, which builds an optimizer over the parameters it is given."""
+    opt = make_optimizer
+    cls = f"torch.optim.{type(opt).__name__}" if isinstance(opt, torch.optim.Optimizer) and \
+        getattr(torch.optim, type(opt).__name__, None) is type(opt) else "torch.optim.AdamW"
+    check_factory(opt, name, f"lambda params: {cls}(params, ...), which builds it over the parameters it is given")
+
+
+def check_factories(make_model: Any, make_optimizer: Any, make_batch: Any, *, batch: str = "lambda: batch",
+                    copied: bool = True) -> None:
+    """The checks above for the three factories of a training step (``batch``: the batch factory to suggest)."""
+    check_model_factory(make_model, copied=copied)
+    check_optimizer_factory(make_optimizer)
+    check_factory(make_batch, "make_batch", batch, builds="the batch")
+
+
+def real_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's tensors (parameters, buffers, tensor attributes) that are not fake: ones that existed
+    before a factory was called under ``FakeTensorMode`` (it builds fake ones)."""
+    return [t for t in _tensors(model).values() if not isinstance(t, FakeTensor)]
+
+
+def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """A copy of ``model`` whose tensors are fake ones of ``fake_mode``; ``model`` is only read.
+
+    Each real parameter, buffer and tensor attribute becomes a fake tensor of the same metadata (tied and
+    aliasing tensors stay tied: fake storages follow real ones), without its gradient: a freshly built model
+    has none. Everything else is deep-copied, hooks on modules included. Hooks registered on the tensors
+    themselves are not copied: they act on the user's tensors.
+
+    Raises:
+        ValueError: the model cannot be deep-copied; pass a factory that builds a new one.
+    """
+    memo: dict[int, Any] = {}
+    for key, t in _tensors(model).items():
+        memo[key] = t if isinstance(t, FakeTensor) else _fake_of(t, fake_mode)
+    try:
+        with fake_mode:
+            return copy.deepcopy(model, memo)
+    except Exception as err:  # something of the user's that copy.deepcopy refuses (a lock, a file...)
+        raise ValueError(
+            f"make_model returned a model that already exists ({type(model).__name__}: its tensors are real), and "
+            f"it cannot be copied to fake tensors ({type(err).__name__}: {err}). The model is unchanged; pass a "
+            f"function that builds a new one: lambda: {type(model).__name__}(...)") from err
+
+
+def fake_model(make_model: Callable[[], nn.Module]) -> nn.Module:
+    """``make_model()`` under the fake mode in force; where that returns a model holding real tensors (one that
+    already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself."""
+    model = make_model()
+    mode = active_fake_mode()
+    if mode is None or not isinstance(model, nn.Module) or not real_tensors(model):
+        return model
+    return fake_copy(model, mode)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Under ``FakeTensorMode``: raise a ValueError where the optimizer holds a real tensor, so that it
+    existed before its factory was called (``lambda params: optimizer``) and a fake step would change it.
+
+    Raises:
+        ValueError: saying to build a new optimizer from the parameters given.
+    """
+    held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+    if any(isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor) for p in held):
+        name = type(optimizer).__name__
+        where = f"torch.optim.{name}" if getattr(torch.optim, name, None) is type(optimizer) else name
+        raise ValueError(
+            f"make_optimizer returned an optimizer ({name}) over real tensors, not over the parameters it was "
+            "given: one that already exists, which a prediction would step. It is left as it is; build a new one "
+            f"from the parameters given: lambda params: {where}(params, ...)")
+
+
+def _tensors(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Every tensor the model's modules hold in their attributes (parameters, buffers, plain tensors, inside
+    lists and dicts too), by id."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for leaf in tree_flatten(list(vars(module).values()))[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.setdefault(id(leaf), leaf)
+    return found
+
+
+def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor like ``t`` (a parameter stays one, with its ``requires_grad``), without its gradient."""
+    with _disable_current_modes():  # a real view, made outside the fake mode (which may refuse real inputs)
+        detached = t.detach()  # from_tensor would make a fake of the gradient too
+    fake = fake_mode.from_tensor(detached)
+    if isinstance(t, nn.Parameter):
+        with fake_mode:
+            return nn.Parameter(fake, requires_grad=t.requires_grad)
+    if t.requires_grad:
+        fake.requires_grad_()
+    return fake
+
+
+__all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
+           "fake_copy", "fake_model", "real_tensors"]
