@@ -850,7 +850,7 @@ class Ledger:
                 known = tensors.get(id(obj))
                 if known is not None and known() is obj:
                     continue
-                if self._keep(obj):
+                if type(obj) in _PLAIN_TENSORS or self._keep(obj):
                     # The callback is deque.append, as for storages: no Python code runs when a tensor dies.
                     ref = tensors[id(obj)] = _StorageRef(obj, dead.append)
                     ref.key = id(obj)
