@@ -363,7 +363,9 @@ def _aliases_only(func) -> bool:
     if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return False  # an out= overload
     name = schema.name.split("::")[-1]
-    if "resize" in name or name.startswith(("set_", "_set")):
+    if "resize" in name or name.startswith(("set_", "_set", "lift")):
+        # lift_fresh returns its input, a tensor made outside the dispatcher (torch.tensor(0) makes one, then
+        # lifts it): its storage is seen first there.
         return False
     return all(not r.alias_info.is_write for r in returns) or name.endswith("_")
 
