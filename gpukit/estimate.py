@@ -32,7 +32,8 @@ from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
-from .factories import check_factories, check_factory, check_model_factory, check_optimizer, fake_model
+from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
+                        fake_model)
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -201,7 +202,10 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             # clone() and a storage copy; a fake tensor answers with a warning that blames the user's code.
             # It is torch's own question, and the copy is right (it clones), so the model's author never sees it.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
-            model = fake_model(make_model)  # a model that already existed: a fake copy, the user's left alone
+            # A model that already existed: a fake copy, the user's left alone. Values its initialisers read
+            # (trunc_normal_ redraws while any value is out of range) are made up: memory depends on shapes only.
+            values = ValuesWhileBuilding()
+            model = fake_model(make_model, values)
         optimizer = make_optimizer(model.parameters())
         check_optimizer(optimizer)
         if kind == "cuda":
@@ -235,6 +239,10 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         modules = _module_table(roles, model, modules_depth)
         n_params = sum(p.numel() for p in model.parameters())
     workspaces, unverified = 0, dict(check.unverified)
+    if values.made_up.get("int"):  # an integer read while building may have sized a tensor
+        unverified["aten._local_scalar_dense"] = (
+            f"{values.made_up['int']} integer value(s) read from tensors while building the model, which fake "
+            "tensors do not hold, were taken as 1: a size computed from one may differ from a real run's")
     if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
         workspaces = rules.workspaces()
         unverified.update(rules.unmodelled)

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._torch import FakeTensor, FakeTensorMode, _disable_current_modes, active_fake_mode, tree_flatten
+from ._torch import (DataDependentOutputException, FakeTensor, FakeTensorMode, TorchDispatchMode,
+                     _disable_current_modes, active_fake_mode, tree_flatten)
 
 
 def check_factory(value: Any, name: str, example: str, builds: str = "one") -> None:
@@ -104,10 +105,48 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
             f"function that builds a new one: lambda: {type(model).__name__}(...)") from err
 
 
-def fake_model(make_model: Callable[[], nn.Module]) -> nn.Module:
+class ValuesWhileBuilding(TorchDispatchMode):
+    """While a model is built on fake tensors: a value read from a tensor whose values a fake tensor does not
+    hold (``.item()``, ``bool(t.any())``: ``aten._local_scalar_dense``) is made up instead of refused.
+
+    Building a model reads values in its weight initialisers: torch's own ``nn.init.trunc_normal_`` (used by
+    timm's and transformers' ViT, ConvNeXt and Swin) redraws out-of-range values ``while mask.any()``. The
+    values a fake model would get do not exist, and the memory a model holds does not depend on them, only on
+    its shapes: so a truth value reads ``False`` (nothing is out of range: a redrawing loop ends at once) and a
+    floating-point one ``1.0`` (a scale read from the weights divides nothing by zero). An integer can size a
+    tensor: it reads ``1`` and is listed in ``made_up`` (the prediction names it), as the memory may then
+    differ from a real run's. Values a fake tensor does hold (a constant, a small tensor followed by
+    ``FakeKernelCheck``) are read as they are.
+    """
+
+    MADE_UP = {"bool": False, "float": 1.0, "int": 1}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            t = args[0]
+            kind = ("bool" if t.dtype is torch.bool else
+                    "float" if t.is_floating_point() or t.is_complex() else "int")
+            self.made_up[kind] = self.made_up.get(kind, 0) + 1
+            return self.MADE_UP[kind]
+
+
+def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding | None = None) -> nn.Module:
     """``make_model()`` under the fake mode in force; where that returns a model holding real tensors (one that
-    already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself."""
-    model = make_model()
+    already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself.
+    ``values``: a ``ValuesWhileBuilding`` to build under, for initialisers that read values."""
+    if values is not None:
+        with values:
+            model = make_model()
+    else:
+        model = make_model()
     mode = active_fake_mode()
     if mode is None or not isinstance(model, nn.Module) or not real_tensors(model):
         return model
