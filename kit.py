@@ -191,7 +191,9 @@ def test_workers(args: list[str]) -> list[str]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if args or cores < 2:
         return ["-p", "xdist"]
-    return ["-p", "xdist", "-n", str(min(2, cores)), "--dist", "load"]
+    # One test at a time to each worker: xdist's load scheduling otherwise hands each worker a first chunk
+    # of a quarter of its share, in collection order, which put all thirteen notebooks on one worker.
+    return ["-p", "xdist", "-n", str(min(2, cores)), "--dist", "load", "--maxschedchunk", "1"]
 
 
 def test(args: list[str]) -> int:

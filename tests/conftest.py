@@ -42,6 +42,13 @@ def digits():
     return images[:256], labels[:256]
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The notebooks in the browser first (each takes 30 to 90 s; test_browser orders them longest first),
+    then the unit tests, which fill in around them: with each test sent to the next free worker
+    (``--maxschedchunk 1``, kit.py), the two workers finish within a short test of each other."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is None)  # stable: each group keeps its order
+
+
 def pytest_collection_finish(session):
     """Move every object that exists once the tests are collected (torch, dynamo, IPython: some 300,000) to
     the collector's permanent generation. ``clean_state`` collects after each test, which then scans what the
