@@ -203,6 +203,17 @@ class _StorageRef(weakref.ref):
     __slots__ = ("key", "nbytes", "state")
 
 
+def _claim(refs: dict, ref: _StorageRef) -> bool:
+    """File a queued record under its key, unless the storage is already booked under another record (queued
+    again after an interrupted record): then this one is dropped (False)."""
+    current = refs.get(ref.key)
+    if current is not None and current.state == _LIVE and current() is not None and current() is ref():
+        ref.state = _FREED
+        return False
+    refs[ref.key] = ref
+    return True
+
+
 class _PerThread(threading.local):
     mode: "_CountingMode | None" = None  # this thread's counting mode, while it has a block open
 
@@ -268,7 +279,9 @@ class _CountingMode(TorchDispatchMode):
             return NotImplemented
         ledger = self.ledger
         listener = ledger.listener
-        if ledger.quick and not ledger.limits and (listener is None or listener._alloc.allowed_memory_maximum is None):  # books_at_once(), inlined
+        # (A simulated device under a cap must see each allocation as it happens: its OOM comes from the one
+        # that passes the cap.)
+        if ledger.quick and not ledger.limits and (listener is None or listener._alloc.allowed_memory_maximum is None):
             # The hot path: the op's new storages are queued, booked in order with the frees at the next
             # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
             # step comes here, so it is written out: no call but the op and the storage's own methods.
@@ -592,14 +605,9 @@ class Ledger:
                 ref = queue[0]
                 key, state = ref.key, ref.state
                 if state == _QUEUED:  # made inside a block
-                    current = refs.get(key)
-                    if current is not ref:
-                        if current is not None and current.state == _LIVE and current() is not None \
-                                and current() is ref():  # queued again after an interrupted record
-                            ref.state = _FREED
-                            queue.popleft()
-                            continue
-                        refs[key] = ref
+                    if refs.get(key) is not ref and not _claim(refs, ref):
+                        queue.popleft()
+                        continue
                     nbytes = ref.nbytes
                     if sink is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
                         sink.append((key, nbytes))
@@ -641,14 +649,9 @@ class Ledger:
             ref = queue[0]
             key, state = ref.key, ref.state
             if state == _QUEUED:  # made inside a block
-                current = refs.get(key)
-                if current is not ref:
-                    if current is not None and current.state == _LIVE and current() is not None \
-                            and current() is ref():  # queued again after an interrupted record
-                        ref.state = _FREED
-                        queue.popleft()
-                        continue
-                    refs[key] = ref
+                if refs.get(key) is not ref and not _claim(refs, ref):
+                    queue.popleft()
+                    continue
                 if self.listener is not None:
                     self.listener.on_alloc(key, ref.nbytes, True)
                 ref.state = _LIVE
@@ -1092,7 +1095,7 @@ def _saved_tensors(roots) -> list[torch.Tensor]:
 
 _SAVED_NAMES: dict[type, list[str]] = {}
 
-INTERRUPTS.protect(Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
+INTERRUPTS.protect(_claim, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
                    Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 

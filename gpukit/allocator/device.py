@@ -135,11 +135,6 @@ class SimulatedDevice:
         self.flush()
         self._alloc_now(key, nbytes, counted)
 
-    def books_at_once(self) -> bool:
-        """Whether the counter must hand over each allocation as it happens: under a cap, the out-of-memory
-        error comes from the allocation that passes it."""
-        return self._alloc.allowed_memory_maximum is not None
-
     def event_queue(self) -> list | None:
         """The list a counter may append its events to directly, ``(key, nbytes)`` of an allocation (of more than
         0 bytes) and ``(key, 0)`` of a free, calling ``event_queued`` after: as ``on_alloc`` and ``on_free``
