@@ -841,13 +841,22 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 # -- running candidates for real ---------------------------------------------------------------------------------
 
 
+def _verify_on(search: _Search) -> str:
+    """Where the plan's steps run for real: the planned device if this machine has it, else the CPU."""
+    return search.device if search.device == "cpu" or torch.cuda.is_available() else "cpu"
+
+
 def _small_enough(search: _Search, row: Row) -> bool:
-    """Whether a real step of this candidate is cheap for this machine: at most a quarter of its free memory."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        free = 2**32
-    return row.peak is not None and row.peak <= free // 4 and row.candidate.strategy == "single GPU"
+    """Whether a real step of this candidate can run here: on the GPU, within its free memory; on the CPU, at
+    most a quarter of the free memory (a step the size of the machine is not a cheap check)."""
+    if _verify_on(search) == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        except (ValueError, OSError, AttributeError):
+            free = 2**30
+    return row.peak is not None and row.peak <= free and row.candidate.strategy == "single GPU"
 
 
 def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, *, limit: int | None = None,
@@ -919,7 +928,7 @@ def _verify(search: _Search, rows: list[Row], choice: Row | None) -> Verificatio
         why = ("per-rank figures need several GPUs" if choice.candidate.strategy != "single GPU"
                else f"its predicted peak ({format_bytes(choice.peak)}) is too big for this machine")
         return Verification(False, f"not run here: {why}; the prediction stands alone", predicted_peak=choice.peak)
-    here = "cuda" if torch.cuda.is_available() else "cpu"
+    here = _verify_on(search)  # a plan for the CPU runs on the CPU, also on a machine with a GPU
     make_opt = search.optimizers
     # Time each fitting candidate's step here, beside the plain step's.
     plain = Candidate(next(iter(make_opt)))

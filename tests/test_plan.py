@@ -109,8 +109,12 @@ def test_a_recipe_gives_the_plain_gradients_within_its_stated_tolerance(precisio
         assert error > 0  # the comparison can tell rounding from no change
 
 
-def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan):
+@pytest.mark.parametrize("gpu_here", [False, True], ids=["no-gpu", "a-gpu-here"])
+def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan, gpu_here, monkeypatch):
+    """Device: cpu. A plan for the CPU is verified on the CPU also where torch sees a GPU (stood in here: on a
+    GPU machine it had run its steps on CUDA and called the machine GPU-less)."""
     case, limit, _ = mlp_plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_here)
     p = plan(*case, budget=limit, device=DEVICE, precisions=("float32",), accumulate=[1, 2], implementations=False,
              alternatives=0)
     v = p.verification
