@@ -65,7 +65,7 @@ import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
                      dynamo_code_in_question, is_traceable_wrapper_subclass, let_dynamo_trace_again, never_traced,
-                     set_storage_resize, storage_resize)
+                     set_storage_resize, storage_resize, tree_flatten)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
@@ -388,10 +388,12 @@ def _numel(size) -> int:
 
 
 def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", int]]:
-    """What an op will allocate on the CPU, known from its arguments before it runs: a list of
-    (storage that grows, or None for a new one; its bytes). Only where the arguments say it
-    exactly: factory ops with a size (``empty``, ``zeros``, ``randn``, ``new_*``, ``*_like``),
-    ``resize_``, and the ``out=`` tensors an op resizes."""
+    """What an op will allocate on the CPU, known before it runs: a list of (storage that grows, or None for a
+    new one; its bytes). From the arguments where they say it (factory ops with a size: ``empty``, ``zeros``,
+    ``randn``, ``new_*``, ``*_like``; ``resize_``), else from the op run on meta tensors, which allocate nothing
+    (``out=`` tensors an op resizes; the outputs of any other op that makes new storages: ``x.expand(n)
+    .contiguous()`` asks for no size, yet makes ``n`` elements). An op without a meta kernel, or whose output
+    sizes depend on its data (``nonzero``), is counted after it runs."""
     schema = func._schema
     names = [a.name for a in schema.arguments]
     values = dict(zip(names, args))
@@ -410,18 +412,10 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
             return found
         if "size" in values and len(outs) == 1:
             shapes = [values["size"]]
-        else:  # the shapes the op will give its outputs: run it on meta tensors, which allocate nothing
-            def meta(v):
-                if isinstance(v, torch.Tensor):
-                    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-                if isinstance(v, (list, tuple)):
-                    return type(v)(meta(x) for x in v)
-                return v
-            try:
-                result = func(*meta(list(args)), **{k: meta(v) for k, v in kwargs.items()})
-            except Exception:  # an op without a meta kernel: counted after it runs
+        else:  # the shapes the op will give its outputs
+            result = _on_meta(func, args, kwargs)
+            if result is None:
                 return found
-            result = [result] if isinstance(result, torch.Tensor) else list(result)
             if len(result) != len(outs):
                 return found
             shapes = [r.shape for r in result]
@@ -445,7 +439,37 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
             found.append((None, numel * itemsize))
         elif self is not None and schema.name.endswith("_like"):
             found.append((None, self.numel() * itemsize))
+        if found:
+            return found
+    if _ALIASES.get(func) if func in _ALIASES else _aliases_only(func):
+        return found  # a view or an in-place op: no new storage
+    fresh = [i for i, r in enumerate(schema.returns) if r.alias_info is None]
+    if not fresh or not any(isinstance(a, torch.Tensor) and a.is_cpu for a in tree_flatten((args, kwargs))[0]):
+        return found
+    result = _on_meta(func, args, kwargs)
+    if result is not None and len(result) == len(schema.returns):
+        nbytes = sum(r.untyped_storage().nbytes() for i, r in enumerate(result)
+                     if i in fresh and isinstance(r, torch.Tensor))
+        if nbytes:
+            found.append((None, nbytes))
     return found
+
+
+def _on_meta(func, args, kwargs) -> list | None:
+    """The op's outputs computed on meta tensors of the same shapes, strides and dtypes (no memory, no data), or
+    None where the op has no meta kernel or its outputs' sizes depend on the data."""
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        return v
+    try:
+        result = func(*meta(list(args)), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:
+        return None
+    return [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, (list, tuple)) \
+        else None
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # tensor types with nothing of their own to unwrap
