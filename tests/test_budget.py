@@ -196,6 +196,23 @@ def test_a_request_past_the_budget_raises_out_of_memory_before_the_memory_is_tak
     assert "the machine itself could not provide" not in str(refused.value)
 
 
+def test_an_op_sized_on_meta_once_is_refused_again_and_its_smaller_self_still_fits():
+    """Device: cpu. Sizes found on meta tensors are kept by the op's shapes (a step repeats them): the same
+    request is refused the second time too, and the same op on a small shape is not confused with it."""
+    base = torch.ones(1)
+    with gpukit.measure(device="cpu", record=False):
+        pass
+    live = LEDGER.live_rounded
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError) as refused:
+            with gpukit.budget(live + 1_000_000, device="cpu"):
+                base.expand(2**43).contiguous()
+        assert "the machine itself could not provide" not in str(refused.value)
+    with gpukit.budget(live + 1_000_000, device="cpu"):
+        small = base.expand(1000).contiguous()
+    assert small.shape == (1000,)
+
+
 def test_a_refused_step_frees_its_tensors_when_the_error_is_dropped_without_a_garbage_collection():
     """Device: cpu. The OOM's traceback holds the failed step's frames; gpukit's own frames must not hold the
     error back (a reference cycle), or the step's tensors stay until the garbage collector runs."""
