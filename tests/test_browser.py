@@ -208,16 +208,27 @@ CELL_STATE = f"""name => {{
         const cell = list.get(i);
         // JupyterLab does not send an empty cell to the kernel: it never gets an execution count.
         if (cell.type !== 'code' || !cell.sharedModel.getSource().trim()) continue;
-        const outputs = cell.outputs.toJSON();
+        // Each output's type and keys only: serialising every output (plots, tables) twice a second cost
+        // the page more than rendering them.
+        const errors = [];
+        let widgets = 0;
+        for (let j = 0; j < cell.outputs.length; j++) {{
+            const output = cell.outputs.get(j);
+            if (output.type === 'error') {{
+                const o = output.toJSON();
+                errors.push([o.ename, o.evalue, (o.traceback || []).join('\\n')]);
+            }} else if (output.data && output.data['application/vnd.jupyter.widget-view+json']) {{
+                widgets++;
+            }}
+        }}
         cells.push({{
             index: i,
             count: cell.executionCount,
             running: cell.executionState === 'running',
             source: cell.sharedModel.getSource(),
             tags: cell.getMetadata('tags') || [],
-            errors: outputs.filter(o => o.output_type === 'error')
-                           .map(o => [o.ename, o.evalue, (o.traceback || []).join('\\n')]),
-            widgets: outputs.filter(o => o.data && o.data['application/vnd.jupyter.widget-view+json']).length,
+            errors,
+            widgets,
         }});
     }}
     return {{kernel: kernel ? kernel.status : 'none', cells}};
