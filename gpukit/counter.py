@@ -441,7 +441,10 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
             found.append((None, self.numel() * itemsize))
         if found:
             return found
-    if _ALIASES.get(func) if func in _ALIASES else _aliases_only(func):
+    aliases = _ALIASES.get(func)
+    if aliases is None:
+        aliases = _ALIASES[func] = _aliases_only(func)
+    if aliases:
         return found  # a view or an in-place op: no new storage
     try:
         key = (func, _meta_key(args), _meta_key(kwargs))
