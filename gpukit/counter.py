@@ -286,10 +286,10 @@ class _CountingMode(TorchDispatchMode):
             # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
             # step comes here, so it is written out: no call but the op and the storage's own methods.
             out = func(*args, **kwargs)
-            aliases = _ALIASES.get(func)
+            aliases = _ALIASES.get(id(func))  # (by id: an op's own __hash__ is Python code)
             if aliases is None:
-                aliases = _ALIASES[func] = _aliases_only(func)
-            if aliases:  # a view, or an in-place op: no storage made, none resized
+                aliases = _alias_entry(func)
+            if aliases[1]:  # a view, or an in-place op: no storage made, none resized
                 if INTERRUPTS.pending:
                     INTERRUPTS.deliver()
                 return out
@@ -361,7 +361,15 @@ class _CountingMode(TorchDispatchMode):
 never_traced(_CountingMode.__torch_dispatch__.__code__)
 
 
-_ALIASES: dict = {}  # op -> whether it only returns tensors of storages its inputs have (_aliases_only)
+# id(op) -> (op, whether it only returns tensors of storages its inputs have: _aliases_only). Keyed by id, since
+# hashing an OpOverload runs Python code (its __hash__) on every op of a measured step; the entry holds the op,
+# so no other object can take its id while the entry exists.
+_ALIASES: dict = {}
+
+
+def _alias_entry(func) -> tuple:
+    entry = _ALIASES[id(func)] = (func, _aliases_only(func))
+    return entry
 
 
 def _aliases_only(func) -> bool:
@@ -441,10 +449,8 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
             found.append((None, self.numel() * itemsize))
         if found:
             return found
-    aliases = _ALIASES.get(func)
-    if aliases is None:
-        aliases = _ALIASES[func] = _aliases_only(func)
-    if aliases:
+    aliases = _ALIASES.get(id(func)) or _alias_entry(func)
+    if aliases[1]:
         return found  # a view or an in-place op: no new storage
     try:
         key = (func, _meta_key(args), _meta_key(kwargs))
@@ -653,9 +659,13 @@ class Ledger:
 
     def _settle_quick(self, queue: collections.deque, sink: list | None) -> None:
         """``settle`` where no count has a label, no block a timeline, and the simulated device (if any) queues
-        events itself (``sink``): ``_allocated`` and ``_freed`` written out, one pass, the totals kept aside."""
-        refs, sizes, tallies = self._refs, self.sizes, self.tallies
+        events itself (``sink``): ``_allocated`` and ``_freed`` written out, one pass, the totals kept aside.
+        Every open block sees the same changes, so the pass keeps one running change and its highest point
+        (rounded and not), and each tally takes them at the end: its peak is its level at the start plus that
+        highest point, if higher."""
+        refs, sizes = self._refs, self.sizes
         live, live_rounded = self._live, self._live_rounded
+        change = change_unrounded = top = top_unrounded = 0
         try:
             while queue:
                 ref = queue[0]
@@ -672,13 +682,12 @@ class Ledger:
                     rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
                     live += nbytes
                     live_rounded += rounded
-                    for t in tallies:
-                        t.level += rounded
-                        t.level_unrounded += nbytes
-                        if t.level > t.peak:
-                            t.peak = t.level
-                        if t.level_unrounded > t.peak_unrounded:
-                            t.peak_unrounded = t.level_unrounded
+                    change += rounded
+                    change_unrounded += nbytes
+                    if change > top:
+                        top = change
+                    if change_unrounded > top_unrounded:
+                        top_unrounded = change_unrounded
                 elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
                     ref.state = _FREED
                     if refs.get(key) is ref:
@@ -690,12 +699,18 @@ class Ledger:
                         rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
                         live -= nbytes
                         live_rounded -= rounded
-                        for t in tallies:
-                            t.level -= rounded
-                            t.level_unrounded -= nbytes
+                        change -= rounded
+                        change_unrounded -= nbytes
                 queue.popleft()
         finally:
             self._live, self._live_rounded = live, live_rounded
+            for t in self.tallies:
+                if t.level + top > t.peak:
+                    t.peak = t.level + top
+                if t.level_unrounded + top_unrounded > t.peak_unrounded:
+                    t.peak_unrounded = t.level_unrounded + top_unrounded
+                t.level += change
+                t.level_unrounded += change_unrounded
             if sink is not None:
                 self.listener.event_queued()
 

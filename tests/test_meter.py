@@ -173,6 +173,21 @@ def test_nested_blocks_each_report_their_own_peak():
     del a
 
 
+def test_an_outer_block_peaks_inside_an_inner_one():
+    # The inner block's allocation and free are booked in one pass at its end: each open block takes the
+    # pass's highest point from its own level (device: cpu).
+    with gpukit.measure("cpu") as outer:
+        a = torch.empty(1_000_000)              # +4,000,256
+        with gpukit.measure("cpu") as inner:
+            b = torch.empty(750_000)            # +3,000,320
+            del b
+        c = torch.empty(250_000)                # +1,000,448
+        del c
+    assert (inner.peak, inner.delta) == (3_000_320, 0)
+    assert (outer.peak, outer.delta) == (4_000_256 + 3_000_320, 4_000_256)
+    del a
+
+
 def test_a_block_that_raises_restores_everything_and_reraises():
     resize = torch.UntypedStorage.resize_
     with pytest.raises(ZeroDivisionError):
