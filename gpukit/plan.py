@@ -33,7 +33,8 @@ segments' forward (their FLOPs counted under fake tensors by ``torch.utils.flop_
 saved tensor to the host and back at ``host_bandwidth``; each extra micro-batch reads the weights twice more and
 adds into the gradients at ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
 Where the model runs on this machine, each fitting candidate's step is also timed for real (labelled with the
-device it ran on).
+device it ran on). Timed on the planned device, that measured cost ranks the fitting candidates instead of the
+estimate; timed elsewhere (a CUDA plan checked on a CPU), it is shown beside the estimate and ranks nothing.
 """
 
 from __future__ import annotations
@@ -734,10 +735,19 @@ class _Search:
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
 
+    def cost(self, r: Row) -> float:
+        """A row's step time over the plain step's: measured where its step was timed on the planned device, else
+        estimated (a CPU's timings say nothing of a GPU's: a CUDA plan checked on a CPU keeps its estimates)."""
+        if r.measured_slowdown is not None and r.measured_on == self.device:
+            return r.measured_slowdown
+        return r.slowdown
+
     def ordered(self) -> list[Row]:
         def order(r: Row):
-            group = 0 if r.fits else 1 if r.need is not None else 2
-            return (group, r.numerics == TRAINING, r.slowdown, r.numerics, r.need if r.need is not None else 0)
+            # Predicted to fit; then dominated (they add techniques to one that fits, and cost more than it); then
+            # predicted not to fit; then pruned.
+            group = (0 if r.need is not None else 1) if r.fits else 2 if r.need is not None else 3
+            return (group, r.numerics == TRAINING, self.cost(r), r.numerics, r.need if r.need is not None else 0)
 
         return sorted(self.rows.values(), key=order)
 
@@ -820,6 +830,10 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"],
                      host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives)
     rows = search.run()
+    timing_error = None
+    if verify and any(r.fits for r in rows):
+        timing_error = _time_fitting(search)
+        rows = search.ordered()  # measured costs, where there are, rank the fitting recipes
     choice = next((r for r in rows if r.fits and r.need is not None), None)
     facts = search.facts
     note = (f"model: {facts.parameters:,} parameters, batch {facts.batch_size}"
@@ -831,7 +845,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"
     verification = Verification(False, "not asked (verify=False)")
     if verify:
-        verification = _verify(search, rows, choice)
+        verification = _verify(search, choice, timing_error)
     result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
     result._make_model, result._make_batch = search.make_real_model, make_batch
@@ -921,27 +935,38 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     return model, peak, seconds
 
 
-def _verify(search: _Search, rows: list[Row], choice: Row | None) -> Verification:
+def _time_fitting(search: _Search) -> str | None:
+    """Time the step of each fitting candidate small enough for this machine, beside the plain step's (their
+    ``measured_slowdown``); returns why they could not run here, or None."""
+    fitting = [r for r in search.rows.values() if r.fits and r.need is not None and _small_enough(search, r)]
+    if not fitting:
+        return None
+    here = _verify_on(search)  # a plan for the CPU runs on the CPU, also on a machine with a GPU
+    make_opt = search.optimizers
+    plain = Candidate(next(iter(make_opt)))
+    try:
+        _, _, base = run_candidate(search.make_real_model, make_opt[plain.optimizer][0], search.make_batch, plain,
+                                   device=here, timed_steps=3)
+        for r in fitting:
+            _, _, s = run_candidate(search.make_real_model, make_opt[r.candidate.optimizer][0], search.make_batch,
+                                    r.candidate, device=here, timed_steps=3)
+            r.measured_slowdown, r.measured_on = s / base, here
+    except (RuntimeError, NotImplementedError) as err:  # a kernel this machine lacks (float16 on some CPUs)
+        return str(err).splitlines()[0][:120]
+    return None
+
+
+def _verify(search: _Search, choice: Row | None, timing_error: str | None) -> Verification:
     if choice is None:
         return Verification(False, "nothing to verify: no candidate fits")
     if not _small_enough(search, choice):
         why = ("per-rank figures need several GPUs" if choice.candidate.strategy != "single GPU"
                else f"its predicted peak ({format_bytes(choice.peak)}) is too big for this machine")
         return Verification(False, f"not run here: {why}; the prediction stands alone", predicted_peak=choice.peak)
-    here = _verify_on(search)  # a plan for the CPU runs on the CPU, also on a machine with a GPU
+    if timing_error is not None:
+        return Verification(False, f"could not run here: {timing_error}")
+    here = _verify_on(search)
     make_opt = search.optimizers
-    # Time each fitting candidate's step here, beside the plain step's.
-    plain = Candidate(next(iter(make_opt)))
-    try:
-        _, _, base = run_candidate(search.make_real_model, make_opt[plain.optimizer][0], search.make_batch, plain,
-                                   device=here, timed_steps=3)
-        for r in [search.rows[c] for c in search.found]:
-            if _small_enough(search, r):
-                _, _, s = run_candidate(search.make_real_model, make_opt[r.candidate.optimizer][0],
-                                        search.make_batch, r.candidate, device=here, timed_steps=3)
-                r.measured_slowdown, r.measured_on = s / base, here
-    except (RuntimeError, NotImplementedError) as err:  # a kernel this machine lacks (float16 on some CPUs)
-        return Verification(False, f"could not run here: {str(err).splitlines()[0][:120]}")
     c = choice.candidate
     limit = search.limit - search.allowance if here == search.device else None
     try:

@@ -122,6 +122,42 @@ def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan, gpu_here, monke
     assert "fitted" in v.message and p.choice.measured_on == DEVICE
 
 
+def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_plan, monkeypatch):
+    """Device: cpu. The steps' times are stood in by a clock that makes the estimated cheapest recipe the slowest
+    (on a CPU, autocast to bfloat16 is estimated free and measured many times slower): the plan then picks and
+    verifies the measured cheapest. Planned for CUDA but timed on this CPU, the same times rank nothing."""
+    import sys
+
+    planning = sys.modules["gpukit.plan"]  # (gpukit.plan is also the function)
+    case, limit, _ = mlp_plan
+    real_run = planning.run_candidate
+    fake_seconds = {}
+
+    def run_with_a_stand_in_clock(*args, timed_steps=0, **kwargs):
+        model, peak, seconds = real_run(*args, timed_steps=0, **kwargs)
+        return model, peak, fake_seconds.get(args[3], 1.0) if timed_steps else None
+
+    monkeypatch.setattr(planning, "run_candidate", run_with_a_stand_in_clock)
+    kwargs = dict(budget=limit, precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False,
+                  alternatives=3)
+    estimated = plan(*case, device=DEVICE, verify=False, **kwargs)
+    fitting = [r.candidate for r in estimated.rows if r.fits and r.need is not None]  # predicted, not dominated
+    assert len(fitting) >= 2 and len({r.numerics for r in estimated.rows if r.candidate in fitting}) == 1
+    for i, c in enumerate(fitting):  # the estimated order, reversed
+        fake_seconds[c] = 2.0 + len(fitting) - i
+    p = plan(*case, device=DEVICE, **kwargs)
+    ranked = [r for r in p.rows if r.fits and r.need is not None]
+    assert [r.candidate for r in ranked] == fitting[::-1]
+    assert [r.measured_slowdown for r in ranked] == sorted(r.measured_slowdown for r in ranked)
+    assert p.choice.candidate == fitting[-1] and p.verification.fitted
+
+    cuda = plan(*case, device="cuda", budget=limit + estimated.allowance + 2**30, precisions=("float32", "bf16"),
+                accumulate=[1, 2], implementations=False, alternatives=3)
+    timed = [r for r in cuda.rows if r.fits and r.need is not None]
+    assert all(r.measured_on == "cpu" for r in timed)  # timed here, on the CPU...
+    assert [r.slowdown for r in timed] == sorted(r.slowdown for r in timed)  # ...ranked by the estimates
+
+
 def test_the_pasted_code_trains_like_train_step():
     make_model, make_opt, make_batch = mlp_case()
     limit = int(plain_peak((make_model, make_opt, make_batch)) * 0.85)
