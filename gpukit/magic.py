@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import io
 import re
 import shlex
 import sys
+import tokenize
 
 import torch
 from IPython.core import magic_arguments
@@ -95,6 +97,15 @@ def _join_values(flags: list[str]) -> list[str]:
 def _default_label(code: str) -> str:
     first = next((ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
     return first if len(first) <= 40 else first[:39] + "…"
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """Whether the cell's last token, comments and line ends aside, is ';': IPython then shows no value.
+    IPython 8's ``DisplayHook.semicolon_at_end_of_expression``, the same rule; IPython 7 (Colab's) has none."""
+    skip = (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    last = next((t for t in reversed(list(tokens)) if t.type not in skip), None)
+    return last is not None and last.type == tokenize.OP and last.string == ";"
 
 
 @magics_class
@@ -187,5 +198,5 @@ class GpuMemMagics(Magics):
         if last is not None:
             value = eval(shell.compile(last, filename, "eval"), glob, local)
             # A trailing ';' hides the value, as in a plain cell.
-            return None if shell.displayhook.semicolon_at_end_of_expression(source) else value
+            return None if _ends_with_semicolon(source) else value
         return None

@@ -39,9 +39,11 @@ class CompileRanEagerWarning(UserWarning):
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn``, called from here, that names the innermost frame outside
-    torch, gpukit and IPython (whose magics run a cell): the user's line, however deep the warning is found."""
+    torch, gpukit and IPython (whose magics run a cell): the user's line, however deep the warning is found.
+    IPython 7 (Colab's) wraps each magic in a function the ``decorator`` package writes, named
+    ``<decorator-gen-N>``: that frame is IPython's too."""
     modules = (torch, sys.modules[__package__], sys.modules.get("IPython"))
-    internal = tuple(os.path.dirname(m.__file__) + os.sep for m in modules if m is not None)
+    internal = (*(os.path.dirname(m.__file__) + os.sep for m in modules if m is not None), "<decorator-gen-")
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1

@@ -115,6 +115,8 @@ def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan, gpu_here, monke
     GPU machine it had run its steps on CUDA and called the machine GPU-less)."""
     case, limit, _ = mlp_plan
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_here)
+    # Adam asks a CUDA build whether a graph is being captured when torch sees a GPU; no graph is, as on a GPU.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     p = plan(*case, budget=limit, device=DEVICE, precisions=("float32",), accumulate=[1, 2], implementations=False,
              alternatives=0)
     v = p.verification
