@@ -107,6 +107,16 @@ def torchrun_command(target: str | os.PathLike, args=(), nproc: int = 2, port: i
     return cmd + [str(a) for a in args]
 
 
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found (its parent packages are imported to look, the module is not)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an empty or relative name
+        return False
+
+
 def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float = 120.0,
            env: dict[str, str] | None = None) -> RankResults:
     """Run ``target`` on ``nproc`` ranks with torchrun and gather what the ranks published.
@@ -123,12 +133,17 @@ def launch(target: str | os.PathLike, *args: Any, nproc: int = 2, timeout: float
         TimeoutError: the run took longer than ``timeout``.
         RuntimeError: torchrun failed without a rank saying why (its output is in the message).
         FileNotFoundError: ``target`` names a script that is not there.
+        ModuleNotFoundError: ``target`` names a module that cannot be imported.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc is the number of ranks to start: a whole number, at least 1; got {nproc!r}")
-    if str(target).endswith(".py") and not Path(target).is_file():
-        raise FileNotFoundError(f"no script {str(target)!r} from {os.getcwd()} (a relative path starts from the "
-                                "current directory: the notebook's folder in Jupyter)")
+    if str(target).endswith(".py"):
+        if not Path(target).is_file():
+            raise FileNotFoundError(f"no script {str(target)!r} from {os.getcwd()} (a relative path starts from "
+                                    "the current directory: the notebook's folder in Jupyter)")
+    elif not _importable(str(target)):
+        raise ModuleNotFoundError(f"no module {str(target)!r} to run on the ranks: a target is a script path "
+                                  "ending in .py or the name of a module this Python can import")
     out = Path(tempfile.mkdtemp(prefix="gpukit-ranks-"))
     run_env = {**rank_environment(nproc), RESULTS_ENV: str(out), **(env or {})}
     log_path = out / "torchrun.log"

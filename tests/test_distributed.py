@@ -257,7 +257,25 @@ def test_a_script_that_is_not_there_is_named_before_anything_starts(tmp_path, mo
         launch("ranks/ddp.py", "ddp", nproc=2)
 
 
+@pytest.mark.parametrize("module", ["gpukit.lessons.ranks.no_such_script", "no_such_package.ddp", ""])
+def test_a_module_that_is_not_there_is_named_before_anything_starts(module):
+    """On the CPU: no torchrun is started for a module this Python cannot import."""
+    with pytest.raises(ModuleNotFoundError, match=f"no module '{module}' to run on the ranks"):
+        launch(module, "ddp", nproc=2)
+
+
+def test_the_rank_scripts_are_found_as_modules_of_the_package_without_running_them():
+    """Notebook 08 runs its rank scripts by module name, so that they run wherever gpukit is installed."""
+    import importlib.util
+
+    for name in ("ddp", "fsdp"):
+        spec = importlib.util.find_spec(f"gpukit.lessons.ranks.{name}")
+        assert spec is not None and Path(spec.origin).is_file()
+    assert torchrun_command("gpukit.lessons.ranks.ddp", ["ddp"], nproc=2)[-3:] == ["-m", "gpukit.lessons.ranks.ddp",
+                                                                                   "ddp"]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
-        launch(ROOT / "notebooks" / "ranks" / "ddp.py", "ddp", nproc=bad)
+        launch("gpukit.lessons.ranks.ddp", "ddp", nproc=bad)

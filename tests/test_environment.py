@@ -67,7 +67,7 @@ def test_every_spec_is_a_valid_conda_match_spec_or_pip_requirement():
     bad = [s for s in conda if not is_conda_spec(s)]
     assert not bad, f"not conda match specs: {bad}"
     for spec in pip:
-        if spec.strip() == "-e .":
+        if spec.strip().startswith("-e ."):
             continue
         try:
             Requirement(spec)
@@ -80,16 +80,17 @@ def lock():
 
 
 def declared():
-    """pyproject's dependencies and its test extra."""
+    """pyproject's dependencies and every extra of it (kit.py's .venv installs them all)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [Requirement(s) for s in project["dependencies"] + project["optional-dependencies"]["test"]]
+    extras = project["optional-dependencies"]
+    return [Requirement(s) for s in project["dependencies"] + [r for name in extras for r in extras[name]]]
 
 
 def test_environment_yml_pins_what_the_lock_pins():
     conda, pip = env_specs()
     python = next(s.split("=", 1)[1] for s in conda if s.startswith("python="))
-    ours = pinned([Requirement(s) for s in pip if s.strip() != "-e ."], python)
+    ours = pinned([Requirement(s) for s in pip if not s.strip().startswith("-e .")], python)
     assert ours == pinned(lock(), python)
 
 
@@ -122,3 +123,12 @@ def test_the_torch_range_is_the_one_the_readme_says_was_tested():
     assert not torch.specifier.contains(f"{major}.{minor - 1}.0")
     major, minor, _ = max((Version(v) for v in tested)).release
     assert not torch.specifier.contains(f"{major}.{minor + 1}.0")
+
+
+def test_environment_yml_installs_gpukit_with_every_extra_as_kit_py_does():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    _, pip = env_specs()
+    editable = [s.strip() for s in pip if s.strip().startswith("-e .")]
+    assert editable == [f"-e .[{','.join(extras)}]"]
+    assert f'[{",".join(extras)}]' in (ROOT / "kit.py").read_text()

@@ -81,14 +81,26 @@ def test_pip_install_from_a_git_url_keeps_the_torch_and_ships_the_data(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     script = ("import importlib.metadata, pathlib, gpukit, gpukit.lessons.data\n"
+              "from gpukit.lessons import ranks, runs\n"
               "images, labels = gpukit.lessons.data.load_digits()\n"
               "print(importlib.metadata.version('torch'))\n"
               "print(pathlib.Path(gpukit.__file__).resolve())\n"
-              "print(tuple(images.shape), tuple(labels.shape))\n")
+              "print(tuple(images.shape), tuple(labels.shape))\n"
+              "print(runs.RUNS_DIR, sorted(runs.load_runs()['file'].unique()))\n"
+              "print(ranks.path('ddp'))\n")
     run = subprocess.run([python, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    torch_version, package, shapes = run.stdout.strip().splitlines()[-3:]
+    torch_version, package, shapes, recorded, rank_script = run.stdout.strip().splitlines()[-5:]
     assert torch_version == OTHER_TORCH
     assert Path(package).is_relative_to(site_dir.resolve()) and not Path(package).is_relative_to(ROOT)
     assert shapes == "(1797, 1, 8, 8) (1797,)"
+    # Notebook 09's recorded runs and notebook 08's rank scripts come with the package (issue: both were
+    # found through the source tree).
+    folder, files = recorded.split(" ", 1)
+    assert Path(folder).is_relative_to(site_dir.resolve())
+    assert files == str(sorted(p.name for p in (ROOT / "data" / "runs").glob("*.csv")))
+    assert Path(rank_script).is_relative_to(site_dir.resolve()) and Path(rank_script).is_file()
+    usage = subprocess.run([python, "-m", "gpukit.lessons.ranks.ddp", "--help"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "{ddp,ddp-bucket-view,zero1}" in usage.stdout, usage.stderr[-3000:]

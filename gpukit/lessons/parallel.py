@@ -1,14 +1,14 @@
 """What the rank scripts of notebook 08 share: the model, and the record each rank publishes.
 
 The rank code itself (the process group, ``DistributedSampler``, the wrapper, the training step,
-``gpukit.measure`` around it) is in plain scripts beside the notebook, each run by torchrun on every
-rank:
+``gpukit.measure`` around it) is in plain scripts in ``gpukit.lessons.ranks``, each run by torchrun on
+every rank:
 
-    notebooks/ranks/ddp.py     DistributedDataParallel, with and without gradient_as_bucket_view, and with
-                               ZeroRedundancyOptimizer (ZeRO-1)
-    notebooks/ranks/fsdp.py    FSDP2 fully_shard: plain, MixedPrecisionPolicy (bf16), CPUOffloadPolicy
+    gpukit.lessons.ranks.ddp     DistributedDataParallel, with and without gradient_as_bucket_view, and with
+                                 ZeroRedundancyOptimizer (ZeRO-1)
+    gpukit.lessons.ranks.fsdp    FSDP2 fully_shard: plain, MixedPrecisionPolicy (bf16), CPUOffloadPolicy
 
-    gpukit.distributed.launch("ranks/ddp.py", "ddp", nproc=2).frame()      # from notebooks/
+    gpukit.distributed.launch("gpukit.lessons.ranks.ddp", "ddp", nproc=2).frame()
 
 Here: the lesson's model (the same weights on every rank), the bytes a rank holds for parameters,
 gradients and optimizer state (its local shards under FSDP), the record a rank publishes, the gradients

@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
-RUNS_DIR = Path(__file__).resolve().parent.parent.parent / "data" / "runs"
+_CHECKOUT = Path(__file__).resolve().parent.parent.parent
+# data/runs/ in a checkout of gpukit; in an installed gpukit, the same files, which the build ships as the
+# package gpukit.lessons.recorded (pyproject.toml maps it onto data/runs/).
+RUNS_DIR = (_CHECKOUT / "data" / "runs" if (_CHECKOUT / "pyproject.toml").is_file()
+            else Path(__file__).resolve().parent / "recorded")
 MACHINE_COLUMNS = ("device_type", "device_name", "driver", "cpu", "cores", "threads", "torch", "cuda", "date")
 REQUIRED = ("device_type", "device_name", "torch", "date")
 
@@ -97,10 +101,16 @@ def read_run(path: str | Path):
 
 
 def load_runs(folder: str | Path = RUNS_DIR):
-    """Every ``*.csv`` in ``folder`` (default data/runs/), read with ``read_run``, as one DataFrame
-    (empty, with no rows, when there are none)."""
+    """Every ``*.csv`` in ``folder`` (default data/runs/, or the copy installed with gpukit), read with
+    ``read_run``, as one DataFrame (empty, with no rows, when there are none).
+
+    Raises:
+        FileNotFoundError: ``folder`` is not a folder.
+    """
     import pandas as pd
 
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"no folder {str(folder)!r} of recorded runs (gpukit's own are in {RUNS_DIR})")
     frames = [read_run(p) for p in sorted(Path(folder).glob("*.csv"))]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=[*MACHINE_COLUMNS, "file"])
 

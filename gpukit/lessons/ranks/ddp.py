@@ -1,6 +1,6 @@
 """DistributedDataParallel, measured on every rank. Notebook 08 runs it with torchrun:
 
-    python -m torch.distributed.run --nproc-per-node=2 ranks/ddp.py ddp ddp-bucket-view zero1
+    python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.ddp ddp ddp-bucket-view zero1
 
 Variants: ``ddp`` (the gradients and DDP's buckets are two copies), ``ddp-bucket-view``
 (``gradient_as_bucket_view=True``: the gradients are views into the buckets), ``zero1`` (ZeRO-1:

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``), measured on every rank: parameters, gradients and optimizer state all sharded.
 Notebook 08 runs it with torchrun:
 
-    python -m torch.distributed.run --nproc-per-node=2 ranks/fsdp.py fsdp fsdp-bf16 fsdp-offload
+    python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.fsdp fsdp fsdp-bf16 fsdp-offload
 
 Variants: ``fsdp``; ``fsdp-bf16`` (``MixedPrecisionPolicy``: gathered parameters and compute in bfloat16,
 gradients reduced in float32); ``fsdp-offload`` (``CPUOffloadPolicy``: the shards live in host memory).

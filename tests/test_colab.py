@@ -1,0 +1,195 @@
+"""gpukit installs into Google Colab's GPU runtime as Google publishes it, replacing nothing there; and the library
+asks for exactly what it imports (offline, no device).
+
+pip keeps an installed distribution whose version meets every requirement on it, so when each requirement of
+`gpukit[lessons]` that applies on Colab's Python is met by the version Colab has, `pip install gpukit[lessons]`
+there installs gpukit alone. Replacing Colab's ipython or ipykernel would break its runtime."""
+
+import ast
+import re
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parent.parent
+COLAB = ROOT / "constraints-colab.txt"
+
+
+def project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def colab():
+    """(Python version, {canonical name: version}) of Colab's GPU runtime, from constraints-colab.txt."""
+    text = COLAB.read_text()
+    python = re.search(r"Python (\d+\.\d+\.\d+)", text)
+    assert python, "constraints-colab.txt names the Python of the image it was taken from"
+    pins = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = Version(version)
+    return python.group(1), pins
+
+
+def applying(requirements, python, extras=()):
+    """The requirements whose markers hold on Linux x86_64 with this Python and these extras."""
+    out = []
+    for req in map(Requirement, requirements):
+        envs = [dict(default_environment(), python_version=".".join(python.split(".")[:2]),
+                     python_full_version=python, sys_platform="linux", platform_system="Linux",
+                     platform_machine="x86_64", extra=e) for e in (extras or ("",))]
+        if req.marker is None or any(req.marker.evaluate(env) for env in envs):
+            out.append(req)
+    return out
+
+
+def unmet(requirements, pins):
+    """'name spec (has X)' for each requirement the pinned versions do not meet."""
+    bad = []
+    for req in requirements:
+        have = pins.get(canonicalize_name(req.name))
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            bad.append(f"{req.name}{req.specifier} (Colab has {have or 'nothing'})")
+    return bad
+
+
+def test_the_colab_constraints_name_their_source_and_pin_a_python_gpukit_allows():
+    text = COLAB.read_text()
+    assert "github.com/googlecolab/backend-info" in text and re.search(r"\d{4}-\d{2}-\d{2}", text)
+    python, pins = colab()
+    assert SpecifierSet(project()["requires-python"]).contains(python)
+    assert {"torch", "ipython", "ipykernel", "ipywidgets"} <= set(pins)
+
+
+def test_gpukit_with_the_lessons_extra_installs_into_colab_and_replaces_nothing():
+    python, pins = colab()
+    meta = project()
+    wanted = applying(meta["dependencies"] + meta["optional-dependencies"]["lessons"], python)
+    assert wanted
+    assert unmet(wanted, pins) == []
+
+
+def test_the_check_itself_sees_a_floor_above_colab():
+    """The same check refuses what gpukit asked for before it was made to fit Colab."""
+    python, pins = colab()
+    old = ["ipython>=8.39,<10", "ipykernel>=6.31,<8", "numpy>=2.2,<3", "jupyterlab>=4.6,<5",
+           "tqdm>=4.67.3,<5", "torch>=2.11; python_version < '3.13'"]
+    assert unmet(applying(old, python), pins) == [
+        "ipython<10,>=8.39 (Colab has 7.34.0)", "ipykernel<8,>=6.31 (Colab has 6.17.1)",
+        "numpy<3,>=2.2 (Colab has 2.1.3)", "jupyterlab<5,>=4.6 (Colab has nothing)"]
+
+
+def imported_modules():
+    """Top-level names of the modules gpukit's own code imports, relative imports left out."""
+    names = set()
+    for path in (ROOT / "gpukit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"gpukit", "_signal"}
+
+
+def test_the_library_declares_exactly_the_distributions_it_imports():
+    """Each third-party module gpukit imports comes from a declared dependency, and each dependency is
+    imported: what only the notebooks or the tests need lives in an extra."""
+    dists = packages_distributions()
+    imported = {canonicalize_name(dists[m][0]) for m in imported_modules() if m in dists}
+    unknown = {m for m in imported_modules() if m not in dists}
+    assert unknown == set(), f"imported but installed by no distribution here: {unknown}"
+    declared = {canonicalize_name(Requirement(r).name) for r in project()["dependencies"]}
+    assert imported == declared
+
+
+def load_kit():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kit", ROOT / "kit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kit = load_kit()
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def first_code_cell(path):
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    return "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_notebook_opens_with_the_install_cell_and_the_readme_opens_it_in_colab(path):
+    url = kit.repository_url()
+    assert first_code_cell(path) == kit.install_cell(url), "run `python3 kit.py links`"
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{path.stem}` |"))
+    assert f"[Colab]({kit.colab_url(url, path.name)})" in row
+    assert kit.colab_url(url, path.name) == \
+        f"https://colab.research.google.com/github/{url.split('github.com/')[1]}/blob/main/notebooks/{path.name}"
+
+
+def run_install_cell(monkeypatch, gpukit_found):
+    """Run the install cell here (no device), with pip replaced by a recorder; what it would have run."""
+    import importlib.util
+    import subprocess
+
+    calls = []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: find_spec(name, *a) if gpukit_found or name != "gpukit" else None)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)))
+    exec(kit.install_cell(kit.repository_url()), {})
+    return calls
+
+
+def test_the_install_cell_does_nothing_where_gpukit_is_importable(monkeypatch):
+    assert run_install_cell(monkeypatch, gpukit_found=True) == []
+
+
+def test_the_install_cell_installs_gpukit_with_the_lessons_extra_from_the_repository(monkeypatch):
+    (cmd, kw), = run_install_cell(monkeypatch, gpukit_found=False)
+    assert cmd[:5] == [sys.executable, "-m", "pip", "install", "-q"] and kw == {"check": True}
+    req = Requirement(cmd[5])
+    assert (req.name, req.extras, req.url) == ("gpukit", {"lessons"}, "git+" + kit.repository_url())
+    assert "lessons" in project()["optional-dependencies"]
+
+
+def test_kit_links_rewrites_a_stale_cell_and_link_and_leaves_current_ones(tmp_path, monkeypatch, capsys):
+    """On a copy (files only): nothing to change as the repository stands; after the URL changes, each
+    notebook's first cell and README row follow it, and the other cells are kept."""
+    import json
+    import shutil
+
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("ranks", "*.cfg"))
+    url = kit.repository_url()
+    monkeypatch.setattr(kit, "ROOT", tmp_path)
+    assert kit.links([]) == 0 and capsys.readouterr().out.strip() == "nothing to change"
+
+    other = "https://github.com/someone/fork"
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace(url, other))
+    assert kit.links([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("wrote ") == len(NOTEBOOKS) + 1 and "kit.py outputs" in out
+    for path in NOTEBOOKS:
+        copy = tmp_path / "notebooks" / path.name
+        assert first_code_cell(copy) == kit.install_cell(other)
+        cells, before = (json.loads(p.read_text())["cells"] for p in (copy, path))
+        assert len(cells) == len(before) and cells[2:] == before[2:]
+    assert kit.colab_url(other, NOTEBOOKS[0].name) in (tmp_path / "README.md").read_text()
