@@ -1,0 +1,110 @@
+"""The notebooks' GPU-sized steps fit a T4, the card Colab and Kaggle lend, before any GPU runs them (on the CPU,
+predicted on fake tensors with CUDA's code paths: device='cuda').
+
+The sizes are each notebook's own: its settings cell runs here with torch told that a GPU is present, a T4
+(compute capability 7.5, no bfloat16 tensor cores). Each case predicts the notebook's largest training step,
+forward, backward and an Adam step (no notebook's step holds more: Adam keeps the most state), and asserts that
+its reserved memory at the peak (the simulated caching allocator), plus the CUDA context allowance, stays
+within 90% of the T4's memory as torch reports it."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+import gpukit
+from gpukit.allocator import CONTEXT_ALLOWANCE
+from gpukit.estimate import predict
+from gpukit.lessons.models import MLP, ConvNet
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+# A T4 has 16 GB of GDDR6; torch.cuda.get_device_properties(0).total_memory reports less, by driver and ECC:
+# 15,095 MiB on Colab, 14,930 MiB the least seen. The smallest is the card a lesson must fit.
+T4_BYTES = 14_930 * MiB
+HEADROOM = 0.9
+
+
+def code_cells(name):
+    nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def gpu_settings(name, monkeypatch):
+    """The names the notebook's settings cell (the one after the install cell) defines on a T4."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(gpukit, "warm_up", lambda *a, **k: None)
+    cell = code_cells(name)[1]
+    assert cell.startswith("# Settings"), f"{name}: the settings cell follows the install cell"
+    scope = {}
+    exec(cell, scope)
+    assert scope["DEVICE"].type == "cuda"
+    return scope
+
+
+def definitions(name, cell_index, scope):
+    """The classes and functions a notebook cell defines (its other statements left out), in ``scope``."""
+    source = "\n".join(line for line in code_cells(name)[cell_index].splitlines() if not line.startswith("%"))
+    tree = ast.parse(source)
+    tree.body = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+    exec(compile(tree, name, "exec"), scope)
+    return scope
+
+
+def digits(batch):
+    return lambda: (torch.randn(batch, 1, 8, 8), torch.randint(0, 10, (batch,)))
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def case_02(s):
+    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=3)), digits(s["BATCH"])
+
+
+def case_03(s):  # the whole batch in one step, the run accumulation is the remedy for
+    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
+
+
+def case_04(s):  # the deepest net, not checkpointed
+    scope = definitions("04_gradient_checkpointing", 2, {**s, "nn": nn, "checkpoint_sequential": checkpoint_sequential})
+    return (lambda: scope["DeepNet"](max(s["DEPTHS"]))), digits(s["BATCH"])
+
+
+def case_05(s):  # the float32 model, the larger of the two
+    return (lambda: ConvNet(s["CHANNELS"])), digits(s["BATCH"])
+
+
+def case_10(s):
+    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
+
+
+CASES = {"02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04_gradient_checkpointing": case_04,
+         "05_half_with_float_batchnorm": case_05, "10_everyday_savings": case_10}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_notebooks_gpu_sized_step_fits_a_t4_with_headroom(name, monkeypatch):
+    """Device: cpu (fake tensors), predicting a T4 (cuda)."""
+    settings = gpu_settings(name, monkeypatch)
+    make_model, make_batch = CASES[name](settings)
+    p = predict(make_model, adam, make_batch, device="cuda")
+    need = p.reserved_peak + CONTEXT_ALLOWANCE
+    assert p.reserved_peak >= p.peak > 0
+    assert need <= HEADROOM * T4_BYTES, (f"{name}: {need / MiB:,.0f} MiB needed on a T4 "
+                                         f"({HEADROOM:.0%} of {T4_BYTES / MiB:,.0f} MiB)")
+
+
+def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
+    """The same check, on notebook 03's batch eight times over: its activations alone are over 16 GB."""
+    settings = gpu_settings("03_gradient_accumulation", monkeypatch)
+    p = predict(lambda: MLP(n_in=64, width=settings["WIDTH"], depth=settings["DEPTH"]), adam,
+                digits(8 * settings["BATCH"]), device="cuda")
+    assert p.reserved_peak + CONTEXT_ALLOWANCE > HEADROOM * T4_BYTES
