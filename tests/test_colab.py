@@ -112,16 +112,7 @@ def test_the_library_declares_exactly_the_distributions_it_imports():
     assert imported == declared
 
 
-def load_kit():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kit", ROOT / "kit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kit = load_kit()
+from test_kit import kit  # noqa: E402  (kit.py, loaded as a module)
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
