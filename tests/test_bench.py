@@ -136,6 +136,8 @@ def test_a_run_without_its_gpu_name_or_torch_version_is_refused(tmp_path, matrix
 def test_no_recorded_runs_is_an_empty_table(tmp_path):
     runs = load_runs(tmp_path)
     assert runs.empty and "device_name" in runs.columns
+    with pytest.raises(FileNotFoundError, match="no folder .* of recorded runs"):
+        load_runs(tmp_path / "not-there")      # a misspelt folder is not 'no runs'
 
 
 def test_every_committed_run_names_its_machine(tmp_path, matrix):

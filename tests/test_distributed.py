@@ -279,3 +279,13 @@ def test_the_rank_scripts_are_found_as_modules_of_the_package_without_running_th
 def test_a_launch_of_no_ranks_is_refused(bad):
     with pytest.raises(ValueError, match="nproc is the number of ranks"):
         launch("gpukit.lessons.ranks.ddp", "ddp", nproc=bad)
+
+
+@pytest.mark.parametrize("name", ["nope", "__init__", "../runs", ""])
+def test_a_rank_script_that_is_not_there_is_refused_with_the_ones_that_are(name):
+    """On the CPU: ranks.path names only the shipped scripts, and says which there are."""
+    from gpukit.lessons import ranks
+
+    assert ranks.path("fsdp").name == "fsdp.py"
+    with pytest.raises(ValueError, match=r"no rank script .*; there are: ddp, fsdp$"):
+        ranks.path(name)

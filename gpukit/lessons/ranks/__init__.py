@@ -13,11 +13,10 @@ from pathlib import Path
 
 def path(name: str) -> Path:
     """The file of the rank script ``name`` ('ddp' or 'fsdp'), to read or to copy."""
-    file = Path(__file__).with_name(f"{name}.py")
-    if name.startswith("_") or "/" in name or not file.is_file():
-        scripts = sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    scripts = sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    if name not in scripts:
         raise ValueError(f"no rank script {name!r}; there are: {', '.join(scripts)}")
-    return file
+    return Path(__file__).with_name(f"{name}.py")
 
 
 __all__ = ["path"]
