@@ -37,13 +37,14 @@ def code_cells(name):
 
 def gpu_settings(name, monkeypatch):
     """The names the notebook's settings cell (the one after the install cell) defines on a T4."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    monkeypatch.setattr(gpukit, "warm_up", lambda *a, **k: None)
     cell = code_cells(name)[1]
     assert cell.startswith("# Settings"), f"{name}: the settings cell follows the install cell"
     scope = {}
-    exec(cell, scope)
+    with monkeypatch.context() as m:  # for this cell only: the predictions run on a CUDA build as on a CPU one
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+        m.setattr(gpukit, "warm_up", lambda *a, **k: None)
+        exec(cell, scope)
     assert scope["DEVICE"].type == "cuda"
     return scope
 
