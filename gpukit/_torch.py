@@ -4,7 +4,7 @@ gpukit counts memory from inside PyTorch's dispatcher, predicts with fake tensor
 with MemTracker: none of that has a public API. This module is the only one that imports a private name
 (``torch._C``, ``torch._subclasses``, ``torch.utils._python_dispatch``, ``torch.utils._pytree``,
 ``torch.distributed._tools``) or patches torch (``UntypedStorage.resize_``). Each was read in the source of
-the versions in ``CHECKED`` and the unit tests pass on them (README, "Which torch"). On a torch outside that
+the versions in ``CHECKED`` and the unit tests pass on them (CONTRIBUTING.md, "Which torch"). On a torch outside that
 range gpukit refuses to start with an error that says so, rather than give a wrong number; set
 ``GPUKIT_UNCHECKED_TORCH=1`` to try anyway. A name that has gone or changed shape raises
 ``UnsupportedTorch`` naming it, at import (MemTracker's and ModTracker's, which take 1.5 s to import, when
