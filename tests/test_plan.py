@@ -10,7 +10,9 @@ import gpukit
 from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch, digits_batch
 from gpukit.lessons.models import MLP, GPTConfig, TinyGPT
-from gpukit.plan import Candidate, _Search, _step_for, plan
+from gpukit.plan import Candidate, plan
+from gpukit.plan.search import _Search
+from gpukit.plan.steps import _step_for
 from gpukit.step import Technique, train_step
 
 DEVICE = "cpu"  # every figure here is the CPU's: predicted on its code paths, measured with its counter
@@ -130,7 +132,7 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
     verifies the measured cheapest. Planned for CUDA but timed on this CPU, the same times rank nothing."""
     import sys
 
-    planning = sys.modules["gpukit.plan"]  # (gpukit.plan is also the function)
+    planning = sys.modules["gpukit.plan.verify"]  # where run_candidate is called from
     case, limit, _ = mlp_plan
     real_run = planning.run_candidate
     fake_seconds = {}

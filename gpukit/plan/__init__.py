@@ -1,0 +1,166 @@
+"""Make it fit: the cheapest combination of memory techniques for a model, a batch and a GPU.
+
+    import gpukit
+    p = gpukit.plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, budget="24GB")
+    p               # the table: cheapest recipe that fits first, predicted peak, headroom, slowdown, numerics
+    print(p.code)   # the chosen recipe as plain PyTorch, to paste into a training loop
+
+Each candidate is one way of running the same training step (``gpukit.step.train_step``): autocast to bfloat16
+or float16 (with a GradScaler), ``model.half()`` with float32 BatchNorm, gradient accumulation over k
+micro-batches (the same effective batch), activation checkpointing (``gpukit.step.checkpoint_plan``), saved
+activations sent to the host (``save_on_cpu``), another optimizer or optimizer implementation where allowed,
+and with several GPUs DDP, ZeRO-1 or FSDP. Its peak is predicted exactly under fake tensors
+(``gpukit.estimate.predict``), on reserved memory from the simulated caching allocator plus the context
+allowance for a CUDA plan. Nothing runs for real except, at the end, one step of the chosen recipe where the
+model is small enough for this machine.
+
+How the search stays cheap (every shortcut is stated in the table):
+
+* Accumulation over k micro-batches of b samples is predicted as 2 micro-batches of b: micro-batches 2..k
+  allocate the same (the gradients exist from the first), so the peak is the same once the batch held
+  before the step is counted at its full size.
+* Model state and the optimizer step alone (no forward, no activations) are predicted once per optimizer and
+  parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted.
+* Memory goes down as techniques are added (more micro-batches, checkpointing, offload): before the cheapest
+  candidate of a group (optimizer, precision, parallelism) is predicted, the group's most saving one is; if
+  it does not fit, no candidate of the group does.
+* Candidates are predicted cheapest first; once one fits, the costlier ones that only add techniques to a
+  fitting one are dominated and never predicted.
+
+Time cost, relative to the plain float32 step of the same batch (estimated, from stated figures): a step does
+3 forward passes' worth of arithmetic (the backward pass two); checkpointing recomputes the checkpointed
+segments' forward (their FLOPs counted under fake tensors by ``torch.utils.flop_counter``); offload copies every
+saved tensor to the host and back at ``host_bandwidth``; each extra micro-batch reads the weights twice more and
+adds into the gradients at ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
+Where the model runs on this machine, each fitting candidate's step is also timed for real (labelled with the
+device it ran on). Timed on the planned device, that measured cost ranks the fitting candidates instead of the
+estimate; timed elsewhere (a CUDA plan checked on a CPU), it is shown beside the estimate and ranks nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..estimate import CONTEXT_ALLOWANCE
+from ..factories import check_factories
+from ..report import format_bytes, parse_bytes
+from .candidates import (
+    NUMERICS_NAMES,
+    PRECISIONS,
+    STRATEGIES,
+    Candidate,
+    Plan,
+    Row,
+    Verification,
+)
+from .recipe import recipe_code
+from .search import _Search
+from .verify import _time_fitting, _verify, run_candidate
+
+
+def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], torch.optim.Optimizer],
+         make_batch: Callable[[], Any], budget: int | str = "24GB", *, device: str = "cuda", gpus: int = 1,
+         optimizers: dict[str, Callable] | None = None, implementations: bool = True,
+         precisions: tuple[str, ...] = PRECISIONS, accumulate: list[int] | None = None, checkpointing: bool = True,
+         offload: bool = True, strategies: tuple[str, ...] | None = None, allowance: int | str | None = None,
+         tflops: float = 100.0, memory_bandwidth: int | str = "2TB", host_bandwidth: int | str = "16GB",
+         alternatives: int = 2, verify: bool = True) -> Plan:
+    """The cheapest way to make one training step fit a memory budget (see the module's docstring).
+
+    Args:
+        make_model, make_optimizer, make_batch: as for ``gpukit.estimate.predict``; ``make_batch()`` returns
+            ``(inputs, targets)`` of the whole batch, as ``gpukit.step.train_step`` takes them. A model that
+            already exists (``lambda: model``) is predicted on fake copies and verified on a real copy
+            (``copy.deepcopy``): it is never converted or stepped itself.
+        budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes.
+        device: ``"cuda"`` (CUDA's code paths, reserved memory, the context allowance) or ``"cpu"``
+            (allocated memory, what ``gpukit.budget`` caps on a CPU).
+        gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
+        optimizers: other optimizers you allow, ``{"SGD momentum": lambda p: torch.optim.SGD(p, 0.1, 0.9)}``.
+        implementations: also try the optimizer's for-loop and fused steps (``foreach=False``, ``fused=True``).
+        precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (with a GradScaler) and ``"half"`` (``model.half()``
+            with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's eps of 1e-8 is 0
+            in float16).
+        accumulate: micro-batch counts to try (default: the powers of two that divide the batch per GPU).
+        checkpointing, offload: try activation checkpointing (``gpukit.step.checkpoint_plan``), and saved tensors
+            sent to the host (CUDA plans only: on a CPU the host is the device).
+        strategies: with ``gpus > 1``, of ``"DDP"``, ``"ZeRO-1"``, ``"FSDP"`` (default all three).
+        allowance: memory beyond PyTorch's (CUDA context, libraries): default ``CONTEXT_ALLOWANCE`` on CUDA, 0 on
+            the CPU.
+        tflops, memory_bandwidth, host_bandwidth: the figures the time cost is estimated with (per second;
+            assumed unless you pass your GPU's).
+        alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
+        verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
+            this machine (and time each fitting candidate's step here).
+
+    Returns:
+        A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
+
+    Raises:
+        ValueError: for a budget, device, precision, strategy or accumulation that is not one (the message lists
+            what is allowed), a batch that is not ``(inputs, targets)``, or an optimizer that already exists
+            returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
+        TypeError: a model, optimizer or batch passed where the function that builds it is expected.
+    """
+    t0 = time.perf_counter()
+    check_factories(make_model, make_optimizer, make_batch, batch="lambda: (inputs, targets)")
+    limit = parse_bytes(budget)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r}: a whole number of GPUs, 1 or more")
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown or not precisions or isinstance(precisions, str):
+        raise ValueError(f"precisions={precisions!r}: choose from {', '.join(PRECISIONS)}")
+    if gpus == 1:
+        if strategies not in (None, ("single GPU",), ["single GPU"]):
+            raise ValueError("strategies apply to several GPUs: pass gpus=2 or more")
+        strategies = ("single GPU",)
+    else:
+        strategies = tuple(strategies or STRATEGIES[1:])
+        unknown = [s for s in strategies if s not in STRATEGIES[1:]]
+        if unknown or not strategies:
+            raise ValueError(f"strategies={strategies!r}: choose from {', '.join(STRATEGIES[1:])}")
+    allowance = (CONTEXT_ALLOWANCE if device == "cuda" else 0) if allowance is None else \
+        (0 if allowance == 0 else parse_bytes(allowance))
+    speeds = {}
+    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth)):
+        speeds[name] = parse_bytes(value)
+    if not (isinstance(tflops, (int, float)) and tflops > 0):
+        raise ValueError(f"tflops={tflops!r}: the GPU's arithmetic rate in TFLOP/s, a positive number")
+    if not isinstance(alternatives, int) or alternatives < 0:
+        raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
+    search = _Search(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
+                     implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
+                     checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
+                     tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"],
+                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives)
+    rows = search.run()
+    timing_error = None
+    if verify and any(r.fits for r in rows):
+        timing_error = _time_fitting(search)
+        rows = search.ordered()  # measured costs, where there are, rank the fitting recipes
+    choice = next((r for r in rows if r.fits and r.need is not None), None)
+    facts = search.facts
+    note = (f"model: {facts.parameters:,} parameters, batch {facts.batch_size}"
+            + (f" ({search.rank_batch} per GPU)" if gpus > 1 else "")
+            + f", {facts.forward_flops / 1e9:,.1f} GFLOP per forward; checkpointing: {facts.checkpoint_text}")
+    assumptions = (f"slowdown estimated at {tflops:g} TFLOP/s, memory {format_bytes(speeds['memory_bandwidth'])}/s, "
+                   f"host copies {format_bytes(speeds['host_bandwidth'])}/s (AMP speed-up and communication not "
+                   "counted)")
+    code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"
+    verification = Verification(False, "not asked (verify=False)")
+    if verify:
+        verification = _verify(search, choice, timing_error)
+    result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
+                  time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
+    result._make_model, result._make_batch = search.make_real_model, make_batch
+    return result
+
+
+__all__ = ["plan", "Plan", "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
+           "STRATEGIES", "NUMERICS_NAMES"]

@@ -1,0 +1,201 @@
+"""What a plan is made of: the candidates (one way of running the step each), their rows in the table, the
+verification, and the plan itself with its table and plot."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..estimate import Prediction
+from ..report import format_bytes, parse_bytes
+from ..step import Technique
+
+PRECISIONS = ("float32", "bf16", "fp16", "half")
+STRATEGIES = ("single GPU", "DDP", "ZeRO-1", "FSDP")
+# What changes numerically, from least to most; the tolerance is on |g - g_plain| / |g_plain| for the gradients
+# of one step, 16 units of roundoff of the arithmetic that changed (None: not comparable with the plain step).
+SAME, ROUNDING, STATISTICS, TRAINING = 0, 1, 2, 3
+NUMERICS_NAMES = {SAME: "same gradient", ROUNDING: "rounding-level", STATISTICS: "changed statistics",
+                  TRAINING: "changed training"}
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "half": 2.0 ** -11}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the step: the optimizer (a label of ``Plan.optimizers``), precision, micro-batches,
+    checkpointing, offload and, with several GPUs, the parallelism."""
+
+    optimizer: str
+    precision: str = "float32"
+    accumulate: int = 1
+    checkpointed: bool = False
+    offload: bool = False
+    strategy: str = "single GPU"
+
+    @property
+    def group(self) -> tuple[str, str, str]:
+        return self.optimizer, self.precision, self.strategy
+
+    def technique(self, accumulate: int | None = None) -> Technique:
+        """The ``gpukit.step.Technique`` of this candidate (offload is left to the caller: see ``_offload``)."""
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        return Technique(self.label, amp=amp, accumulate=accumulate or self.accumulate,
+                         checkpointed=self.checkpointed, half=self.precision == "half")
+
+    @property
+    def label(self) -> str:
+        parts = {"float32": [], "bf16": ["AMP bf16"], "fp16": ["AMP fp16 + GradScaler"],
+                 "half": ["half(), BatchNorm float32"]}[self.precision][:]
+        if self.accumulate > 1:
+            parts.append(f"accumulate {self.accumulate}")
+        if self.checkpointed:
+            parts.append("checkpointing")
+        if self.offload:
+            parts.append("offload saved tensors")
+        if self.strategy != "single GPU":
+            parts.insert(0, self.strategy)
+        return " + ".join(parts) or "plain"
+
+    def saves_at_least(self, other: "Candidate") -> bool:
+        """Same group, and every memory technique of ``other`` at least as strong here."""
+        return (self.group == other.group and self.accumulate >= other.accumulate
+                and self.checkpointed >= other.checkpointed and self.offload >= other.offload)
+
+
+@dataclass
+class Row:
+    """A candidate's line in the plan's table."""
+
+    candidate: Candidate
+    verdict: str = "not predicted"     # "fits", "does not fit", "pruned: ..." (why it was not predicted)
+    fits: bool | None = None           # None: not known (dominated, not predicted)
+    peak: int | None = None            # allocated at the peak (predicted; the full batch held)
+    reserved: int | None = None        # reserved at the peak (simulated allocator), CUDA plans
+    need: int | None = None            # what the budget is compared with
+    how: str = ""                      # how ``need`` was obtained
+    slowdown: float = 1.0              # estimated step time / plain step time
+    measured_slowdown: float | None = None
+    measured_on: str | None = None
+    numerics: int = SAME
+    numerics_note: str = ""
+    tolerance: float | None = None
+    copy_bytes: int = 0                # offload: bytes to the host and back, per step
+    lower_bound: bool = False          # some op's fake kernel was unchecked: the peak may be low
+    prediction: Prediction | None = field(default=None, repr=False)
+
+    def cells(self, budget: int) -> dict:
+        return {"techniques": self.candidate.label, "optimizer": self.candidate.optimizer,
+                "verdict": self.verdict,
+                "predicted peak": format_bytes(self.need) + (" (lower bound)" if self.lower_bound else ""),
+                "headroom": format_bytes(budget - self.need) if self.need is not None else "-",
+                "slowdown (estimated)": f"{self.slowdown:.2f}x",
+                "slowdown (measured)": (f"{self.measured_slowdown:.2f}x on {self.measured_on}"
+                                        if self.measured_slowdown is not None else "-"),
+                "numerics": f"{NUMERICS_NAMES[self.numerics]}: {self.numerics_note}" if self.numerics_note
+                else NUMERICS_NAMES[self.numerics],
+                "how": self.how}
+
+
+@dataclass
+class Verification:
+    """One real step of the chosen recipe under ``gpukit.budget`` (or why there was none)."""
+
+    ran: bool
+    message: str
+    fitted: bool | None = None
+    measured_peak: int | None = None
+    predicted_peak: int | None = None
+
+
+@dataclass
+class Plan:
+    """What ``plan()`` found: ``rows`` (cheapest fitting first), ``choice`` (the first fitting row or None),
+    ``code`` (the chosen recipe in plain PyTorch), ``verification`` and the search's own figures."""
+
+    budget: int
+    device: str
+    gpus: int
+    allowance: int
+    rows: list[Row]
+    choice: Row | None
+    code: str
+    verification: Verification
+    predictions: int
+    seconds: float
+    assumptions: str
+    model_note: str
+    optimizers: dict[str, Callable] = field(default_factory=dict, repr=False)  # label -> make_optimizer
+
+    def run(self, row: Row, limit: int | str | None = None, device: str = "cpu"):
+        """One real step of a row's candidate (``run_candidate``), under ``limit`` if given."""
+        from .verify import run_candidate  # (verify builds on these classes)
+
+        return run_candidate(self._make_model, self.optimizers[row.candidate.optimizer], self._make_batch,
+                             row.candidate, limit=None if limit is None else parse_bytes(limit), device=device)
+
+    def frame(self):
+        """The table as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame([r.cells(self.budget) for r in self.rows])
+
+    def _head(self) -> list[str]:
+        what = (f"budget {format_bytes(self.budget)} ({self.budget / 1e9:g} GB) on {self.device}"
+                + (f", {self.gpus} GPUs: per-rank figures" if self.gpus > 1 else "")
+                + (f"; needed = reserved at the peak (simulated allocator) + context allowance "
+                   f"{format_bytes(self.allowance)}" if self.device == "cuda" else "; needed = allocated at the peak"))
+        found = (f"cheapest that fits: {self.choice.candidate.label} (optimizer: {self.choice.candidate.optimizer})"
+                 if self.choice else "nothing fits: see the smallest needs below")
+        return [what, self.model_note, found,
+                f"{self.predictions} predictions in {self.seconds:.1f} s; {self.assumptions}",
+                f"verification: {self.verification.message}"]
+
+    def __repr__(self) -> str:
+        import pandas as pd
+
+        shown = [r.cells(self.budget) for r in self.rows if r.need is not None]
+        with pd.option_context("display.max_colwidth", 70, "display.width", 250, "display.max_columns", 20):
+            table = pd.DataFrame(shown).drop(columns=["how", "verdict"]).to_string(index=False) if shown else ""
+        code = "\n".join("    " + line for line in self.code.splitlines())
+        return "\n".join(self._head() + ["predicted:", table, self._pruned_line(), "recipe:", code])
+
+    def _pruned_line(self) -> str:
+        reasons: dict[str, int] = {}
+        for r in self.rows:
+            if r.need is None:
+                why = r.verdict.removeprefix("pruned: ").split(":")[0].split(" need ")[0]
+                reasons[why] = reasons.get(why, 0) + 1
+        if not reasons:
+            return "nothing pruned"
+        return (f"{sum(reasons.values())} candidates not predicted (frame() lists them): "
+                + "; ".join(f"{n} {why}" for why, n in reasons.items()))
+
+    def _repr_html_(self) -> str:
+        import pandas as pd
+
+        head = "".join(f"<div>{html.escape(line)}</div>" for line in self._head())
+        shown = [r.cells(self.budget) for r in self.rows if r.need is not None]
+        table = pd.DataFrame(shown).to_html(index=False, escape=True) if shown else ""
+        table += f"<div>{html.escape(self._pruned_line())}</div>"
+        return f"<b>make it fit</b>{head}{table}<b>recipe</b><pre>{html.escape(self.code)}</pre>"
+
+    def plot(self, ax=None, max_rows: int = 14):
+        """The predicted candidates' needs as horizontal bars against the budget line; returns the axes."""
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.rows if r.need is not None][:max_rows][::-1]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+        gib = [r.need / 2**30 for r in rows]
+        colours = ["tab:green" if r.fits else "tab:red" for r in rows]
+        ax.barh(range(len(rows)), gib, color=colours)
+        ax.set_yticks(range(len(rows)), [f"{r.candidate.label} [{r.candidate.optimizer}]" for r in rows],
+                     fontsize=8)
+        ax.axvline(self.budget / 2**30, color="black", linestyle="--", label=f"budget {self.budget / 1e9:g} GB")
+        ax.set_xlabel("predicted need (GiB)")
+        ax.legend(loc="lower right")
+        ax.set_title("candidates: green fits, red does not")
+        return ax

@@ -1,0 +1,151 @@
+"""What the search needs to know about the model (its layers, batch and optimizer) before predicting anything."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .._torch import FakeTensorMode
+from ..counter import round_up
+from ..factories import check_optimizer, fake_copy, real_tensors
+from ..step import checkpoint_plan
+
+# -- what the search needs to know about the model -------------------------------------------------------------
+
+
+@dataclass
+class _ModelFacts:
+    parameters: int
+    batch_size: int
+    batch_bytes_per_sample: list[tuple[int, int]]  # per batch tensor: (elements per sample, element size)
+    forward_flops: int
+    recompute_flops: int
+    has_batchnorm: bool
+    checkpoint_text: str
+    checkpoint_code: str
+    largest_block_bytes: int  # float32 parameter bytes of the largest checkpoint block (FSDP's unit)
+    existing_model: bool = False  # make_model() returns a model that already exists (real tensors under fake mode)
+
+    def batch_bytes(self, n: int) -> int:
+        return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
+
+
+def _qualified_names(model: nn.Module) -> dict[nn.Module, str]:
+    return {m: n for n, m in model.named_modules()}
+
+
+def _model_facts(make_model, make_batch) -> _ModelFacts:
+    """Shapes, parameters and forward FLOPs, under fake tensors (nothing allocated)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        model = make_model()
+        existing = bool(real_tensors(model))
+        if existing:  # the user's own model (lambda: model): read through a fake copy, never run itself
+            model = fake_copy(model, fake_mode)
+        batch = make_batch()
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+            raise ValueError("make_batch() must return (inputs, targets), two tensors whose first dimension is "
+                             "the batch, as gpukit.step.train_step takes them")
+        x, y = batch
+        if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+            raise ValueError(f"inputs {tuple(x.shape)} and targets {tuple(y.shape)} need the same first "
+                             "dimension: the batch")
+        b = int(x.shape[0])
+        per_sample = [(t.numel() // b, t.element_size()) for t in (x, y)]
+        cp = checkpoint_plan(model)
+        names = _qualified_names(model)
+        counted: list[int] = []
+        counter = FlopCounterMode(display=False)
+        if cp.kind == "blocks":
+            watched = list(cp.modules)
+        elif cp.kind == "sequential":
+            seq = cp.modules[0]
+            size = len(seq) // cp.segments
+            watched = list(seq)[: size * (cp.segments - 1)]  # checkpoint_sequential runs the last segment plainly
+        else:
+            watched = []
+        handles = []
+        for m in watched:
+            handles.append(m.register_forward_pre_hook(lambda *_: counted.append(-counter.get_total_flops())))
+            handles.append(m.register_forward_hook(lambda *_: counted.append(counter.get_total_flops())))
+        try:
+            with torch.no_grad(), counter:
+                model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        total = counter.get_total_flops()
+        recompute = total if cp.kind == "whole" else sum(counted)
+        n_params = sum(p.numel() for p in model.parameters())
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        largest = max((sum(p.numel() * 4 for p in m.parameters()) for m in cp.modules), default=0) \
+            if cp.kind == "blocks" else n_params * 4
+        if cp.kind == "blocks":
+            parent = names[cp.modules[0]].rsplit(".", 1)[0] if "." in names[cp.modules[0]] else ""
+            where = f"model.{parent}" if parent else "model"
+            code = (f"for block in {where}:  # {cp}\n"
+                    "    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)")
+        elif cp.kind == "sequential":
+            where = f"model.{names[cp.modules[0]]}" if names[cp.modules[0]] else "model"
+            code = (f"{where}.forward = functools.partial(  # {cp}\n"
+                    f"    checkpoint_sequential, {where}, {cp.segments}, use_reentrant=False)")
+        else:
+            code = ""
+    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing)
+
+
+# -- optimizers --------------------------------------------------------------------------------------------------
+
+
+def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str]]:
+    """The other implementations of an optimizer's step (for-loop, fused) that its class offers and the device
+    does not already use: ``(label, make_optimizer, note)``."""
+    with FakeTensorMode():
+        probe = make_optimizer([nn.Parameter(torch.zeros(2))])
+    cls = type(probe)
+    accepted = inspect.signature(cls.__init__).parameters
+    group = probe.param_groups[0]
+    if group.get("fused") or group.get("differentiable"):
+        return []
+    found = []
+    default_foreach = device == "cuda" and group.get("foreach") is None  # CUDA's default: foreach
+    if "foreach" in accepted and (default_foreach or group.get("foreach")):
+        found.append((f"{label}, foreach=False", {"foreach": False}, "for-loop step: same update"))
+    if "fused" in accepted:
+        found.append((f"{label}, fused=True", {"fused": True, "foreach": False}, "fused step: same update"))
+
+    def variant(changes):
+        def make(params):
+            opt = make_optimizer(params)
+            groups = [dict(g) for g in opt.param_groups]
+            for g in groups:
+                g.update(changes)
+            kwargs = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+            kwargs.update(changes)
+            return type(opt)(groups, **kwargs)
+
+        return make
+
+    return [(name, variant(changes), note) for name, changes, note in found]
+
+
+def _optimizer_name(make_optimizer) -> str:
+    with FakeTensorMode():
+        opt = make_optimizer([nn.Parameter(torch.zeros(2))])
+        check_optimizer(opt)  # one that already exists would be stepped by every prediction: refused first
+    name = type(opt).__name__
+    if isinstance(opt, torch.optim.SGD):
+        name += f"(momentum={opt.defaults.get('momentum', 0)})"
+    return name
+
+
+def _adam_like(make_optimizer) -> bool:
+    """Optimizers with a second moment and an eps (Adam, AdamW, RMSprop...): unsafe with float16 weights."""
+    with FakeTensorMode():
+        opt = make_optimizer([nn.Parameter(torch.zeros(2))])
+    return "eps" in opt.defaults

@@ -1,0 +1,81 @@
+"""The chosen candidate as plain PyTorch code, to paste into a training loop."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .._torch import FakeTensorMode
+from .candidates import Candidate
+from .search import _Search
+
+# -- the recipe as code ------------------------------------------------------------------------------------------
+
+
+def recipe_code(c: Candidate, search: _Search, device: str) -> str:
+    """The candidate as plain PyTorch: setup lines, then the loop body."""
+    make, note, _ = search.optimizers[c.optimizer]
+    with FakeTensorMode():
+        opt = make([nn.Parameter(torch.zeros(2))])
+    cls = type(opt)
+    defaults = {k: v for k, v in opt.defaults.items()}
+    accepted = inspect.signature(cls.__init__).parameters
+    args = []
+    for k, v in defaults.items():
+        if k in accepted and k != "params" and accepted[k].default is not inspect.Parameter.empty \
+                and v != accepted[k].default and not (k == "lr" and isinstance(v, torch.Tensor)):
+            args.append(f"{k}={v!r}")
+    module = "torch.optim"
+    dev = device
+    lines = ["import functools", "import torch", "import torch.nn.functional as F",
+             "from torch.utils.checkpoint import checkpoint, checkpoint_sequential", "",
+             f"model = make_model().to({dev!r})"]
+    if c.precision == "half":
+        lines += ["model.half()  # float16 weights; BatchNorm back to float32 (its running statistics overflow)",
+                  "for m in model.modules():",
+                  "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
+                  "        m.float()"]
+    lines.append(f"optimizer = {module}.{cls.__name__}(model.parameters(){''.join(', ' + a for a in args)})")
+    if c.precision == "fp16":
+        lines.append(f"scaler = torch.amp.GradScaler({dev!r})")
+    if c.checkpointed:
+        lines.append(search.facts.checkpoint_code or "# checkpointing: the whole model, in the forward below")
+    k = c.accumulate
+    lines += ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
+    if c.precision == "half":
+        lines.append("    x = x.half() if x.is_floating_point() else x")
+    lines.append("    optimizer.zero_grad(set_to_none=True)")
+    ind = "    "
+    if k > 1:
+        lines.append(f"    for xs, ys in zip(x.chunk({k}), y.chunk({k})):  # {k} micro-batches, one optimizer step")
+        ind, xs, ys = "        ", "xs", "ys"
+    else:
+        xs, ys = "x", "y"
+    ctx = []
+    if c.precision in ("bf16", "fp16"):
+        ctx.append(f"torch.autocast({dev!r}, dtype=torch.{'bfloat16' if c.precision == 'bf16' else 'float16'})")
+    if c.offload:
+        ctx.append(f"torch.autograd.graph.save_on_cpu(pin_memory={dev == 'cuda'})")
+    forward = (f"checkpoint(model, {xs}, use_reentrant=False)" if c.checkpointed and not search.facts.checkpoint_code
+               else f"model({xs})")
+    body = [f"out = {forward}", f"loss = F.cross_entropy(out.float().flatten(0, -2), {ys}.flatten())"
+            + (f" / {k}" if k > 1 else "")]
+    if ctx:
+        lines.append(f"{ind}with {', '.join(ctx)}:")
+        lines += [f"{ind}    {b}" for b in body]
+    else:
+        lines += [f"{ind}{b}" for b in body]
+    lines.append(f"{ind}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
+    lines += ["    scaler.step(optimizer)", "    scaler.update()"] if c.precision == "fp16" else ["    optimizer.step()"]
+    if c.strategy != "single GPU":
+        wrap = {"DDP": "model = torch.nn.parallel.DistributedDataParallel(model)  # after .to(device), before the "
+                       "optimizer",
+                "ZeRO-1": "optimizer = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
+                          f"optimizer_class={module}.{cls.__name__})  # with DDP as above",
+                "FSDP": "for block in blocks: fully_shard(block); fully_shard(model)  "
+                        "# torch.distributed.fsdp, before the optimizer"}[c.strategy]
+        lines.insert(5, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; x, y: this rank's "
+                        f"share (DistributedSampler)\n# {wrap}")
+    return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""The search: which candidates to predict, in which order, which are dominated or pruned, and what each costs."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import heapq
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from .._torch import FakeTensorMode
+from ..estimate import predict
+from ..report import format_bytes
+from .candidates import (
+    PRECISIONS,
+    ROUNDING,
+    SAME,
+    STATISTICS,
+    STRATEGIES,
+    TRAINING,
+    UNIT_ROUNDOFF,
+    Candidate,
+    Row,
+)
+from .facts import _adam_like, _implementations, _model_facts, _optimizer_name
+from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_for
+
+# -- the plan ----------------------------------------------------------------------------------------------------
+
+
+class _Search:
+    def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
+                 implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
+                 tflops, memory_bandwidth, host_bandwidth, alternatives):
+        self.make_model, self.make_batch = make_model, make_batch
+        self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
+        self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
+        self.alternatives = alternatives
+        self.facts = _model_facts(make_model, make_batch)
+        # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
+        self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
+        b = self.facts.batch_size
+        if b % gpus:
+            raise ValueError(f"the batch of {b} does not divide among {gpus} GPUs; make it a multiple of {gpus}")
+        self.rank_batch = b // gpus
+        user = _optimizer_name(make_optimizer)
+        self.optimizers: dict[str, tuple[Callable, str, int]] = {f"yours: {user}": (make_optimizer, "", SAME)}
+        for name, make in (optimizers or {}).items():
+            if not callable(make):
+                raise TypeError(f"optimizers[{name!r}] must build an optimizer from parameters "
+                                f"(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), not {make!r}")
+            self.optimizers[name] = (make, f"{_optimizer_name(make)} instead of {user}", TRAINING)
+        if implementations:
+            for name, (make, note, rank) in list(self.optimizers.items()):
+                for vname, vmake, vnote in _implementations(name, make, device):
+                    self.optimizers[vname] = (vmake, "; ".join(filter(None, [note, vnote])),
+                                              max(rank, ROUNDING if "fused" in vname else SAME))
+        self.adam_like = {name: _adam_like(make) for name, (make, _, _) in self.optimizers.items()}
+        ks = accumulate if accumulate is not None else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                                                        if self.rank_batch % k == 0]
+        bad = [k for k in ks if not isinstance(k, int) or k < 1 or self.rank_batch % k]
+        if bad or not ks:
+            raise ValueError(f"accumulate={accumulate!r}: each k must divide the batch per GPU "
+                             f"({self.rank_batch}) into equal micro-batches")
+        self.ks = sorted(set(ks) | {1})
+        self.ckpt = [False, True] if checkpointing else [False]
+        self.offl = [False, True] if offload and device == "cuda" else [False]
+        self.precisions = precisions
+        self.strategies = strategies
+        self.predictions = 0
+        self.floors: dict[tuple[str, str], dict] = {}
+        self.rows: dict[Candidate, Row] = {}
+        self.copies: dict[tuple, int] = {}
+        self.found: list[Candidate] = []
+
+    # figures -------------------------------------------------------------------------------------------------
+
+    def numerics(self, c: Candidate) -> tuple[int, str, float | None]:
+        rank, notes = SAME, []
+        opt_note, opt_rank = self.optimizers[c.optimizer][1:]
+        if opt_note:
+            rank = max(rank, opt_rank)
+            notes.append(opt_note)
+        if c.precision in ("bf16", "fp16"):
+            rank = max(rank, ROUNDING)
+            notes.append(f"{'bfloat16' if c.precision == 'bf16' else 'float16'} arithmetic")
+        if c.precision == "half":
+            rank = max(rank, TRAINING)
+            notes.append("float16 weights and updates, no float32 copy")
+        if c.accumulate > 1 or c.strategy != "single GPU":
+            rank = max(rank, ROUNDING)
+            notes.append("sums in another order")
+            if self.facts.has_batchnorm:
+                rank = max(rank, STATISTICS)
+                notes.append(f"BatchNorm normalises each micro-batch of {self.rank_batch // c.accumulate}")
+        if c.checkpointed and self.facts.has_batchnorm:
+            rank = max(rank, STATISTICS)
+            notes.append("BatchNorm running statistics updated again by the recomputation")
+        tolerance = None
+        if rank <= ROUNDING or (rank == TRAINING and not self.facts.has_batchnorm):
+            tolerance = 16 * UNIT_ROUNDOFF[c.precision] if (c.precision != "float32" or rank > SAME) else 1e-6
+            if c.precision == "float32" and rank > SAME:
+                tolerance = 1e-5  # float32 sums reordered: a few units of roundoff per layer
+        return rank, "; ".join(notes), tolerance
+
+    def slowdown(self, c: Candidate, copy_bytes: int = 0) -> float:
+        step_seconds = 3 * self.facts.forward_flops / self.tflops
+        if step_seconds <= 0:
+            return 1.0
+        extra = 0.0
+        if c.checkpointed:
+            extra += self.facts.recompute_flops / self.tflops
+        if c.accumulate > 1:
+            weight_bytes = self.facts.parameters * (2 if c.precision == "half" else 4)
+            extra += (c.accumulate - 1) * 4 * weight_bytes / self.memory_bw  # weights read twice, grads read+written
+        extra += copy_bytes / self.host_bw
+        return 1.0 + extra / step_seconds
+
+    def candidates(self) -> list[Candidate]:
+        found = []
+        for opt in self.optimizers:
+            for precision in self.precisions:
+                if precision == "half" and self.adam_like[opt]:
+                    continue  # eps (1e-8) is 0 in float16 and the second moment underflows: not safe
+                for strategy in self.strategies:
+                    for k in self.ks:
+                        for ck in self.ckpt:
+                            for off in self.offl:
+                                found.append(Candidate(opt, precision, k, ck, off, strategy))
+        return found
+
+    def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
+        rank = self.numerics(c)[0]
+        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), rank, c.accumulate, c.checkpointed, c.offload,
+                list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
+                STRATEGIES.index(c.strategy))
+
+    # predictions ---------------------------------------------------------------------------------------------
+
+    def floor(self, c: Candidate) -> dict:
+        """Model state and the optimizer step alone, for this optimizer and parameter type."""
+        key = (c.optimizer, "half" if c.precision == "half" else "float32")
+        if key not in self.floors:
+            info: dict = {}
+            p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0], lambda: (),
+                        step=_optimizer_only(info), device=self.device)
+            self.predictions += 1
+            info["peak"] = p.peak
+            self.floors[key] = info
+        return self.floors[key]
+
+    def state_change(self, c: Candidate) -> int:
+        """Bytes a rank holds more (+) or less (-) than one process training alone, by the sharding formulas
+        (the stages of the ZeRO paper; DDP's gradient buckets are a second copy of the gradients)."""
+        if c.strategy == "single GPU":
+            return 0
+        f, n = self.floor(c), self.gpus
+        p, g, o = f["params"], f["grads"], f["optimizer_state"]
+        if c.strategy == "DDP":
+            return g
+        if c.strategy == "ZeRO-1":
+            return g - o + math.ceil(o / n)
+        unit = self.facts.largest_block_bytes // (2 if c.precision == "half" else 1)
+        return -(p + g + o) + math.ceil((p + g + o) / n) + 2 * unit + unit  # two gathered units and one's grads
+
+    def lower_bound(self, c: Candidate) -> int:
+        return self.floor(c)["peak"] + self.state_change(c) + self.allowance
+
+    def evaluate(self, c: Candidate) -> Row:
+        if c in self.rows and self.rows[c].need is not None:
+            return self.rows[c]
+        rank, note, tol = self.numerics(c)
+        micro = self.rank_batch // c.accumulate
+        proxy_k = 1 if c.accumulate == 1 else 2
+        n = micro * proxy_k
+        copies = [0]
+        p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
+                    _slice_batch(self.make_batch, n, self.facts.batch_size), step=_step_for(c, proxy_k, copies),
+                    device=self.device)
+        self.predictions += 1
+        held = self.facts.batch_bytes(self.facts.batch_size) - self.facts.batch_bytes(n)  # the full batch held
+        how = ["predicted"]
+        if proxy_k != c.accumulate:
+            how.append(f"as 2 micro-batches of {micro} with the batch of {self.facts.batch_size} held")
+        peak = p.peak + held
+        reserved = None if p.reserved_peak is None else p.reserved_peak + held
+        base = reserved if self.device == "cuda" and reserved is not None else peak
+        change = self.state_change(c)
+        if change:
+            how.append(f"{c.strategy} per rank: {'+' if change > 0 else ''}{format_bytes(change)} by the sharding "
+                       "formula, not predicted")
+        need = base + change + self.allowance
+        copy_bytes = copies[0] * (c.accumulate // proxy_k)
+        row = Row(c, "fits" if need <= self.limit else "does not fit", need <= self.limit, peak=peak,
+                  reserved=reserved, need=need, how="; ".join(how), slowdown=self.slowdown(c, copy_bytes),
+                  numerics=rank, numerics_note=note, tolerance=tol, copy_bytes=copy_bytes,
+                  lower_bound=p.lower_bound, prediction=p)
+        self.rows[c] = row
+        return row
+
+    def pruned(self, c: Candidate, why: str, fits: bool | None = False) -> None:
+        rank, note, tol = self.numerics(c)
+        self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c), numerics=rank,
+                                    numerics_note=note, tolerance=tol))
+
+    # the search ------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[Row]:
+        todo = self.candidates()
+        heap = [(self.key(c, None if c.offload else 0), i, c, not c.offload) for i, c in enumerate(todo)]
+        heapq.heapify(heap)
+        probed: dict[tuple, bool] = {}
+        fitting: list[Candidate] = []
+        while heap:
+            key, i, c, exact = heapq.heappop(heap)
+            if len(fitting) > self.alternatives:
+                self.pruned(c, "costlier than the recipes found", None)
+                continue
+            dominated = next((f for f in fitting if c.saves_at_least(f)), None)
+            if dominated is not None:
+                self.pruned(c, f"adds techniques to {dominated.label}, which fits", True)
+                continue
+            lower = self.lower_bound(c)
+            if lower > self.limit:
+                self.pruned(c, f"model state and optimizer step alone need {format_bytes(lower)}")
+                continue
+            amp = self.amp_bound(c)
+            if amp > self.limit:
+                self.pruned(c, f"autocast at best halves what float32 needs above the model state: at least "
+                               f"{format_bytes(amp)} need")
+                continue
+            if c.group not in probed:
+                probed[c.group] = self.evaluate(self.most_saving(c)).fits
+            if not probed[c.group]:
+                if c not in self.rows:
+                    self.pruned(c, "does not fit even with the most micro-batches, checkpointing and offload")
+                continue
+            failed = next((r.candidate for r in self.rows.values() if r.fits is False and r.need is not None
+                           and r.candidate.saves_at_least(c)), None)
+            if failed is not None:
+                if c not in self.rows:
+                    self.pruned(c, f"saves no more than {failed.label}, which does not fit")
+                continue
+            if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
+                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+                continue
+            row = self.evaluate(c)
+            if row.fits:
+                fitting.append(c)
+        self.found = fitting
+        return self.ordered()
+
+    def most_saving(self, c: Candidate) -> Candidate:
+        return Candidate(c.optimizer, c.precision, max(self.ks), max(self.ckpt), max(self.offl), c.strategy)
+
+    def amp_bound(self, c: Candidate) -> int:
+        """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
+        step needs above it, so it needs at least the state plus half of what the float32 group's most saving
+        candidate needs above it (that candidate is predicted for this, where float32 is a precision tried)."""
+        if c.precision not in ("bf16", "fp16") or "float32" not in self.precisions:
+            return 0
+        ref = self.most_saving(replace(c, precision="float32"))
+        floor = self.lower_bound(ref)
+        if floor > self.limit:
+            return floor
+        probe = self.evaluate(ref)
+        return floor + max(probe.need - floor, 0) // 2
+
+    def copy_bytes(self, c: Candidate) -> int:
+        """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""
+        key = (c.precision, c.accumulate, c.checkpointed)  # the optimizer does not change what is saved
+        if key not in self.copies:
+            micro = self.rank_batch // c.accumulate
+            copies = [0]
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model = _model_maker(self.make_model, c.precision)()
+                x, y = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
+                t = c.technique(1)
+                with _offload(copies):
+                    if t.half and x.is_floating_point():
+                        x = x.half()
+                    amp = torch.autocast(x.device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
+                    with amp:
+                        from ..step import _forward
+
+                        _forward(model, x, t.checkpointed)
+            self.copies[key] = copies[0] * c.accumulate
+        return self.copies[key]
+
+    def cost(self, r: Row) -> float:
+        """A row's step time over the plain step's: measured where its step was timed on the planned device, else
+        estimated (a CPU's timings say nothing of a GPU's: a CUDA plan checked on a CPU keeps its estimates)."""
+        if r.measured_slowdown is not None and r.measured_on == self.device:
+            return r.measured_slowdown
+        return r.slowdown
+
+    def ordered(self) -> list[Row]:
+        def order(r: Row):
+            # Predicted to fit; then dominated (they add techniques to one that fits, and cost more than it); then
+            # predicted not to fit; then pruned.
+            group = (0 if r.need is not None else 1) if r.fits else 2 if r.need is not None else 3
+            return (group, r.numerics == TRAINING, self.cost(r), r.numerics, r.need if r.need is not None else 0)
+
+        return sorted(self.rows.values(), key=order)

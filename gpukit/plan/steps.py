@@ -1,0 +1,103 @@
+"""One candidate as a training step to predict: the batch sliced into micro-batches, saved tensors offloaded,
+the model built in its precision, the optimizer step alone."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .._torch import ScalerThatAlwaysSteps
+from ..counter import round_up
+from ..factories import fake_model
+from ..step import half_with_float_batchnorm, train_step
+from .candidates import Candidate
+
+# -- predicting one candidate ------------------------------------------------------------------------------------
+
+
+def _slice_batch(make_batch, n: int, b: int):
+    """``make_batch`` cut to its first ``n`` samples (copies: a view would keep the whole batch's storage)."""
+    if n == b:
+        return make_batch
+
+    def make():
+        x, y = make_batch()
+        return x[:n].clone(), y[:n].clone()
+
+    return make
+
+
+@contextlib.contextmanager
+def _offload(counter: list[int] | None = None):
+    """What ``torch.autograd.graph.save_on_cpu`` does to device memory, on fake tensors: every tensor saved for
+    backward leaves the device (the host copy is not device memory) and comes back, as a new tensor of its size,
+    when backward unpacks it (zeros: fake tensors carry no values worth keeping). ``counter[0]`` adds up the bytes copied (both ways)."""
+
+    def pack(t):
+        if counter is not None:
+            counter[0] += 2 * t.numel() * t.element_size()
+        return t.size(), t.dtype, t.device
+
+    def unpack(packed):
+        size, dtype, device = packed
+        return torch.zeros(size, dtype=dtype, device=device)  # the copy's memory; zeros: valid class indices
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None):
+    technique = candidate.technique(accumulate)
+    state: dict = {}
+
+    def step(model, optimizer, batch):
+        if technique.amp is torch.float16 and "scaler" not in state:
+            state["scaler"] = ScalerThatAlwaysSteps(batch[0].device.type)  # made inside the fake run
+        with _offload(copies) if candidate.offload else contextlib.nullcontext():
+            train_step(model, optimizer, batch, technique, state.get("scaler"))
+
+    return step
+
+
+def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
+    """``half_with_float_batchnorm`` for a model of fake tensors, whose ``model.half()`` cannot swap its
+    parameters: each floating-point parameter and buffer outside BatchNorm gets float16 data in place."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            if t.is_floating_point():
+                t.data = t.data.half()
+    return model
+
+
+def _model_maker(make_model, precision: str, fake: bool = True):
+    """A candidate's model factory. ``fake``: called under fake tensors, where a model that already exists comes
+    as a fake copy (``gpukit.factories.fake_model``), so that making it half never reaches the user's model."""
+    if fake:
+        return lambda: (_half_with_float_batchnorm_fake if precision == "half" else (lambda m: m))(
+            fake_model(make_model))
+    if precision != "half":
+        return make_model
+    return lambda: half_with_float_batchnorm(make_model())
+
+
+def _optimizer_only(info: dict):
+    """A step without forward or backward: gradients appear as zeros, then the optimizer steps. Its peak is a
+    lower bound of every real step with this model and optimizer (the same state, the same optimizer step)."""
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        info["params"] = sum(round_up(p.untyped_storage().nbytes()) for p in model.parameters())
+        info["grads"] = sum(round_up(p.grad.untyped_storage().nbytes()) for p in model.parameters()
+                            if p.grad is not None)
+        info["optimizer_state"] = sum(round_up(v.untyped_storage().nbytes()) for s in optimizer.state.values()
+                                      for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+
+    return step

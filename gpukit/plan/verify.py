@@ -1,0 +1,153 @@
+"""Running candidates for real: timing the fitting ones on this machine, and one real step of the choice under
+``gpukit.budget``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+from .._torch import tree_map_only
+from ..report import format_bytes
+from ..step import train_step
+from .candidates import Candidate, Row, Verification
+from .search import _Search
+from .steps import _model_maker
+
+# -- running candidates for real ---------------------------------------------------------------------------------
+
+
+def _verify_on(search: _Search) -> str:
+    """Where the plan's steps run for real: the planned device if this machine has it, else the CPU."""
+    return search.device if search.device == "cpu" or torch.cuda.is_available() else "cpu"
+
+
+def _small_enough(search: _Search, row: Row) -> bool:
+    """Whether a real step of this candidate can run here: on the GPU, within its free memory; on the CPU, at
+    most a quarter of the free memory (a step the size of the machine is not a cheap check)."""
+    if _verify_on(search) == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        except (ValueError, OSError, AttributeError):
+            free = 2**30
+    return row.peak is not None and row.peak <= free and row.candidate.strategy == "single GPU"
+
+
+def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, *, limit: int | None = None,
+                  device: str = "cpu", seed: int = 0, timed_steps: int = 0):
+    """Build the candidate's model, optimizer and batch on ``device``, run a warm-up step, then one step under
+    ``gpukit.budget(limit)`` (counting what the process held before as outside the budget).
+
+    Returns:
+        ``(model, measured peak: state plus the step's peak, median seconds of ``timed_steps`` more steps or None)``.
+
+    Raises:
+        torch.OutOfMemoryError: the step did not fit ``limit``.
+    """
+    from ..budget import budget as memory_budget
+    from ..counter import gc_paused
+    from ..estimate import state_bytes
+    from ..meter import measure, resolve_device
+
+    dev = resolve_device(device)
+    if candidate.strategy != "single GPU":
+        raise ValueError(f"{candidate.strategy} needs several processes: run it with torchrun")
+    with gc_paused() as collect_young:  # one full collection; what the build and warm-up leave goes before the step
+        other = 0
+        if dev.type == "cpu":
+            with measure(dev, record=False) as r:
+                pass
+            other = r.live_end
+        torch.manual_seed(seed)
+        with dev:
+            model = _model_maker(make_model, candidate.precision, fake=False)()
+        model.to(dev)
+        optimizer = make_optimizer(model.parameters())
+        batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
+        technique = candidate.technique()
+        scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
+            else contextlib.nullcontext()
+
+        def step():
+            with offload:
+                train_step(model, optimizer, batch, technique, scaler)
+
+        step()  # warm-up: gradients and optimizer state exist
+        cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
+        collect_young()
+        with measure(dev, record=False) as report, cap:
+            step()
+    peak = state_bytes(model, optimizer, batch)[0] + report.peak
+    seconds = None
+    if timed_steps:
+        times: list[float] = []
+        deadline = time.perf_counter() + 2.0  # at least one step; no more once two seconds have passed
+        while len(times) < timed_steps and (not times or time.perf_counter() < deadline):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t)
+        seconds = statistics.median(times)
+    return model, peak, seconds
+
+
+def _time_fitting(search: _Search) -> str | None:
+    """Time the step of each fitting candidate small enough for this machine, beside the plain step's (their
+    ``measured_slowdown``); returns why they could not run here, or None."""
+    fitting = [r for r in search.rows.values() if r.fits and r.need is not None and _small_enough(search, r)]
+    if not fitting:
+        return None
+    here = _verify_on(search)  # a plan for the CPU runs on the CPU, also on a machine with a GPU
+    make_opt = search.optimizers
+    plain = Candidate(next(iter(make_opt)))
+    try:
+        _, _, base = run_candidate(search.make_real_model, make_opt[plain.optimizer][0], search.make_batch, plain,
+                                   device=here, timed_steps=3)
+        for r in fitting:
+            _, _, s = run_candidate(search.make_real_model, make_opt[r.candidate.optimizer][0], search.make_batch,
+                                    r.candidate, device=here, timed_steps=3)
+            r.measured_slowdown, r.measured_on = s / base, here
+    except (RuntimeError, NotImplementedError) as err:  # a kernel this machine lacks (float16 on some CPUs)
+        return str(err).splitlines()[0][:120]
+    return None
+
+
+def _verify(search: _Search, choice: Row | None, timing_error: str | None) -> Verification:
+    if choice is None:
+        return Verification(False, "nothing to verify: no candidate fits")
+    if not _small_enough(search, choice):
+        why = ("per-rank figures need several GPUs" if choice.candidate.strategy != "single GPU"
+               else f"its predicted peak ({format_bytes(choice.peak)}) is too big for this machine")
+        return Verification(False, f"not run here: {why}; the prediction stands alone", predicted_peak=choice.peak)
+    if timing_error is not None:
+        return Verification(False, f"could not run here: {timing_error}")
+    here = _verify_on(search)
+    make_opt = search.optimizers
+    c = choice.candidate
+    limit = search.limit - search.allowance if here == search.device else None
+    try:
+        _, measured, _ = run_candidate(search.make_real_model, make_opt[c.optimizer][0], search.make_batch, c,
+                                       device=here, limit=limit)
+        fitted = True
+    except torch.OutOfMemoryError:
+        measured, fitted = None, False
+    predicted = choice.peak
+    if here == search.device:
+        msg = (f"one real step on {here} under gpukit.budget({format_bytes(limit)}): "
+               + (f"fitted; measured peak {format_bytes(measured)} ({measured:,} B), predicted {format_bytes(predicted)}"
+                  f" ({predicted:,} B)" if fitted else "OUT OF MEMORY: the prediction was wrong"))
+    else:
+        extra = "; offload saves nothing on a CPU (the host is the device)" if c.offload else ""
+        msg = (f"one real step on {here} (this machine has no GPU: the budget is the GPU's, so it was run without "
+               f"one): measured peak {format_bytes(measured)} on {here}'s code paths, predicted "
+               f"{format_bytes(predicted)} allocated on CUDA's{extra}")
+    return Verification(True, msg, fitted, measured, predicted)
