@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-from ._torch import tree_map_only
 from .budget import budget
 from .counter import gc_paused
 from .estimate import default_step, predict, state_bytes
+from .step import map_tensors
 from .factories import check_factories
 from .meter import measure, resolve_device
 from .report import parse_bytes
@@ -87,7 +87,7 @@ class Trainer:
         self.step(self.model, self.optimizer, self._batch(1))  # warm-up: gradients and optimizer state exist
 
     def _batch(self, b: int) -> Any:
-        return tree_map_only(torch.Tensor, lambda t: t.to(self.device), self.make_batch(b))
+        return map_tensors(lambda t: t.to(self.device), self.make_batch(b))
 
     def fits(self, b: int, limit: int | None = None) -> bool:
         """Run one real step of batch ``b`` under the budget: did it fit?"""

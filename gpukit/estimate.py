@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._torch import FakeTensor, FakeTensorMode, tree_flatten, tree_map_only
+from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
@@ -37,7 +37,7 @@ from .factories import (ValuesWhileBuilding, check_factories, check_factory, che
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
-from .step import train_step
+from .step import batch_tensors, map_tensors, train_step
 
 GPU_SIZES_GB = (16, 24, 40, 48, 80, 141)
 # CONTEXT_ALLOWANCE (1 GiB, defined with the simulated device in gpukit.allocator.config, which reserves it
@@ -210,8 +210,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         check_optimizer(optimizer)
         if kind == "cuda":
             use_cuda_optimizer_defaults(optimizer)
-        batch = tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check),
-                              make_batch())
+        # map_tensors reaches into any batch (a transformers BatchEncoding too, which pytree leaves whole)
+        batch = map_tensors(lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check), make_batch())
         with _foreach_warmup(optimizer):
             for _ in range(warmup_steps):
                 step(model, optimizer, batch)
@@ -294,7 +294,7 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    tensors += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    tensors += batch_tensors(batch)
     return tensors
 
 
@@ -324,7 +324,7 @@ def measured_step_peak(make_model: Callable[[], nn.Module],
     torch.manual_seed(seed)
     model = make_model().to(dev)
     optimizer = make_optimizer(model.parameters())
-    batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
+    batch = map_tensors(lambda t: t.to(dev), make_batch())
     for _ in range(warmup_steps):
         step(model, optimizer, batch)
     with gc_paused(), measure(dev, record=False) as report:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,11 @@ def checkpointing(model: nn.Module, plan: CheckpointPlan | None = None) -> Itera
     exit; backward may run after the block (the recomputation keeps the functions it needs).
     """
     plan = plan or checkpoint_plan(model)
+    own = _own_checkpointing(model) if plan.kind == "blocks" else None
+    if own is not None:
+        with own:
+            yield plan
+        return
     if plan.kind == "sequential":
         patched = {plan.modules[0]: functools.partial(_sequential_forward, plan.modules[0], plan.segments)}
     else:
@@ -114,6 +120,43 @@ def checkpointing(model: nn.Module, plan: CheckpointPlan | None = None) -> Itera
             module.__dict__.pop("forward", None)
 
 
+def _own_checkpointing(model: nn.Module):
+    """For a transformers model that checkpoints its layers itself (``supports_gradient_checkpointing``): a
+    context that turns its own checkpointing on and back off, as its users write it; else None.
+
+    Its own way matters: a transformers layer run through ``torch.utils.checkpoint`` by gpukit would update the
+    model's key-value cache twice (forward and recomputation); the layer checkpointing itself leaves the cache
+    out (transformers' ``GradientCheckpointingLayer``). A model whose checkpointing is already on is left as it
+    is, and so is the hook that makes its input embeddings require gradients where turning it on added one."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    for enable, disable, kwargs, is_on in (
+            ("activation_checkpointing_enable", "activation_checkpointing_disable", "activation_checkpointing_kwargs",
+             "is_activation_checkpointing"),  # transformers 5.24 and later
+            ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "gradient_checkpointing_kwargs",
+             "is_gradient_checkpointing")):
+        if callable(getattr(model, enable, None)) and callable(getattr(model, disable, None)):
+            break
+    else:
+        return None
+
+    @contextlib.contextmanager
+    def turned_on():
+        if getattr(model, is_on, False):
+            yield
+            return
+        had_hook = hasattr(model, "_require_grads_hook")
+        getattr(model, enable)(**{kwargs: {"use_reentrant": False}})
+        try:
+            yield
+        finally:
+            getattr(model, disable)()
+            if not had_hook and hasattr(model, "_require_grads_hook"):
+                model.disable_input_require_grads()
+
+    return turned_on()
+
+
 def half_with_float_batchnorm(model: nn.Module) -> nn.Module:
     """``model.half()``, with every BatchNorm put back in float32 (its running statistics overflow float16).
     Returns the model."""
@@ -122,6 +165,78 @@ def half_with_float_batchnorm(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.float()
     return model
+
+
+# -- batches of any structure: a tensor, tuples, lists, dicts, a transformers BatchEncoding, nested ----------------
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it, its structure kept: tuples (named ones too), lists
+    and mappings are rebuilt as their own type (a transformers ``BatchEncoding`` stays one), anything else is
+    kept as it is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {k: map_tensors(fn, v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except Exception:  # a mapping type that cannot be built from a dict
+            return items
+    if isinstance(batch, tuple):
+        items = [map_tensors(fn, v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    if isinstance(batch, list):
+        return [map_tensors(fn, v) for v in batch]
+    return batch
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch``, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
+
+
+def batch_size(batch: Any) -> int:
+    """The batch dimension: the first dimension, which every tensor of ``batch`` with one must share.
+
+    Raises:
+        ValueError: no tensor with a dimension, or tensors whose first dimensions differ (named by shape).
+    """
+    sized = [t for t in batch_tensors(batch) if t.dim() > 0]
+    if not sized:
+        raise ValueError("the batch holds no tensor with a batch dimension: return the batch's tensors "
+                         "(a dict, a tuple, a transformers BatchEncoding...) from make_batch()")
+    sizes = {int(t.shape[0]) for t in sized}
+    if len(sizes) > 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in sized)
+        raise ValueError(f"the batch's tensors must share their first dimension, the batch; they have {shapes}")
+    return sizes.pop()
+
+
+def split_batch(batch: Any, k: int) -> list:
+    """``batch`` cut into ``k`` micro-batches along the batch dimension (views, as ``Tensor.chunk`` makes them);
+    tensors without one (scalars) go whole into each.
+
+    Raises:
+        ValueError: ``k`` does not divide the batch (``batch_size``'s errors too).
+    """
+    b = batch_size(batch)
+    if b % k:
+        raise ValueError(f"{k} micro-batches need a batch that divides by {k}; it has {b} samples")
+    n = b // k
+    return [map_tensors(lambda t: t[i * n:(i + 1) * n] if t.dim() > 0 else t, batch) for i in range(k)]
+
+
+def first_samples(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of ``batch``, as copies (a view would keep the whole batch's storage alive)."""
+    return map_tensors(lambda t: t[:n].clone() if t.dim() > 0 else t, batch)
+
+
+def batch_device(batch: Any) -> torch.device:
+    """The device of the batch's first tensor (the CPU for a batch without one)."""
+    tensors = batch_tensors(batch)
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _forward(model: nn.Module, xs: Any, checkpointed: bool):
@@ -133,12 +248,52 @@ def _forward(model: nn.Module, xs: Any, checkpointed: bool):
         return model(xs)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-               technique: Technique = BASELINE, scaler: torch.amp.GradScaler | None = None) -> None:
-    """One optimizer step on ``batch = (inputs, targets)`` with the technique's mechanisms.
+def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a model computes itself from a batch of keyword arguments, as a transformers model does with
+    ``labels`` in the batch: ``model(**batch).loss``. Pass ``loss="model"`` for it."""
+    return model(**batch).loss
 
-    The loss is cross-entropy over the last dimension of the model's output (classes, or a language model's
-    vocabulary). A float16 ``technique.amp`` needs ``scaler``, a ``torch.amp.GradScaler`` kept across steps
+
+def resolve_loss(loss: Callable[[nn.Module, Any], torch.Tensor] | str | None):
+    """``None`` (cross-entropy of ``model(inputs)`` against ``targets``), ``"model"`` (``model_loss``) or a
+    function ``loss(model, batch) -> scalar tensor``; returned as ``None`` or a function.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if loss is None or (callable(loss) and not isinstance(loss, (str, nn.Module))):
+        return loss
+    if loss == "model":
+        return model_loss
+    raise ValueError(f"loss={loss!r}: pass None (cross-entropy of model(inputs) against targets, for a batch "
+                     "(inputs, targets)), 'model' (the model computes it: model(**batch).loss, as a transformers "
+                     "model does) or a function loss(model, batch) that returns the loss, a scalar tensor")
+
+
+def _user_loss(model: nn.Module, micro: Any, loss, checkpointed: bool) -> torch.Tensor:
+    if not checkpointed:
+        value = loss(model, micro)
+    else:
+        with checkpointing(model) as plan:
+            value = (checkpoint(loss, model, micro, use_reentrant=False) if plan.kind == "whole"
+                     else loss(model, micro))
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
+        raise TypeError(f"loss(model, batch) must return the loss, a scalar floating-point tensor; it returned "
+                        f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}")
+    return value
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+               technique: Technique = BASELINE, scaler: torch.amp.GradScaler | None = None,
+               loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None) -> None:
+    """One optimizer step on ``batch`` with the technique's mechanisms.
+
+    With ``loss=None`` the batch is ``(inputs, targets)`` and the loss is cross-entropy over the last dimension
+    of the model's output (classes, or a language model's vocabulary). ``loss="model"``: the model computes it
+    from a batch of keyword arguments (``model(**batch).loss``, a transformers model with ``labels`` in the
+    batch); a function ``loss(model, batch)`` returns it for a batch of any structure (dicts, tuples, a
+    ``BatchEncoding``, nested). Accumulation then cuts every tensor of the batch along its first dimension.
+    A float16 ``technique.amp`` needs ``scaler``, a ``torch.amp.GradScaler`` kept across steps
     (its scale adapts from step to step); other techniques need none. ``technique.half`` expects a model
     already made half (``half_with_float_batchnorm``); floating-point inputs are cast to float16 here.
     Returns nothing: a returned loss would keep its memory alive (call ``loss.item()`` in your own loop).
@@ -147,6 +302,30 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if t.amp is torch.float16 and (scaler is None or not scaler.is_enabled()):
         raise ValueError("float16 autocast needs an enabled torch.amp.GradScaler: pass "
                          "scaler=torch.amp.GradScaler(device.type), kept across steps")
+    loss = resolve_loss(loss)
+    if loss is not None:
+        micro_batches = split_batch(batch, t.accumulate)
+        optimizer.zero_grad(set_to_none=True)
+        for micro in micro_batches:
+            if t.half:
+                micro = map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)
+            device = batch_device(micro)
+            amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
+            offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if t.offload
+                       else contextlib.nullcontext())
+            with amp, offload:
+                value = _user_loss(model, micro, loss, t.checkpointed)
+                if t.accumulate > 1:
+                    value = value / t.accumulate
+            (scaler.scale(value) if scaler is not None else value).backward()
+            del value
+        del micro_batches, micro
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
     for xs, ys in zip(x.chunk(t.accumulate), y.chunk(t.accumulate)):
@@ -170,4 +349,5 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 
 __all__ = ["Technique", "BASELINE", "CheckpointPlan", "checkpoint_plan", "checkpointing",
-           "half_with_float_batchnorm", "train_step"]
+           "half_with_float_batchnorm", "train_step", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
+           "batch_size", "split_batch", "first_samples", "batch_device"]

@@ -73,3 +73,49 @@ def test_float16_without_a_scaler_and_bad_options_are_refused(digits):
         Technique("bad", accumulate=0)
     with pytest.raises(ValueError, match="amp"):
         Technique("bad", amp=torch.float64)
+
+
+# -- batches of any structure (device: cpu) ----------------------------------------------------------------------
+
+def test_split_batch_cuts_every_tensor_of_any_structure_along_the_batch_and_keeps_its_types():
+    from collections import OrderedDict, namedtuple
+
+    from gpukit.step import batch_size, first_samples, split_batch
+
+    Pair = namedtuple("Pair", "x y")
+    batch = OrderedDict(ids=torch.arange(12).view(6, 2), nested=[Pair(torch.zeros(6, 3), torch.ones(6))],
+                        scale=torch.tensor(2.0), name="text")
+    assert batch_size(batch) == 6
+    parts = split_batch(batch, 3)
+    assert len(parts) == 3 and all(type(p) is OrderedDict and type(p["nested"][0]) is Pair for p in parts)
+    assert torch.equal(torch.cat([p["ids"] for p in parts]), batch["ids"])
+    assert all(p["scale"] is batch["scale"] and p["name"] == "text" for p in parts)
+    assert parts[1]["ids"].untyped_storage().data_ptr() == batch["ids"].untyped_storage().data_ptr()  # views
+    first = first_samples(batch, 2)
+    assert first["ids"].shape == (2, 2) and first["ids"].untyped_storage().nbytes() == 2 * 2 * 8  # a copy
+
+
+@pytest.mark.parametrize("batch, k, says", [
+    ({"a": torch.zeros(4, 2), "b": torch.zeros(5)}, 1, r"share their first dimension.*\(4, 2\), \(5,\)"),
+    ({"a": torch.tensor(1.0)}, 1, "no tensor with a batch dimension"),
+    ((torch.zeros(6, 2), torch.zeros(6)), 4, "4 micro-batches need a batch that divides by 4; it has 6"),
+])
+def test_a_batch_that_cannot_be_cut_is_refused_saying_why(batch, k, says):
+    from gpukit.step import split_batch
+
+    with pytest.raises(ValueError, match=says):
+        split_batch(batch, k)
+
+
+def test_a_loss_that_is_not_one_is_refused_and_nothing_is_stepped():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"x": torch.randn(4, 4)}
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match="loss='nope'"):
+        train_step(model, opt, batch, loss="nope")
+    with pytest.raises(TypeError, match=r"scalar floating-point tensor; it returned Tensor\(4, 2\)"):
+        train_step(model, opt, batch, loss=lambda m, b: m(b["x"]))
+    assert torch.equal(model.weight, before)
+    train_step(model, opt, batch, Technique(accumulate=2), loss=lambda m, b: m(b["x"]).square().mean())
+    assert not torch.equal(model.weight, before)

@@ -48,6 +48,7 @@ from torch import nn
 from ..estimate import CONTEXT_ALLOWANCE
 from ..factories import check_factories
 from ..report import format_bytes, parse_bytes
+from ..step import resolve_loss
 from .candidates import (
     NUMERICS_NAMES,
     PRECISIONS,
@@ -68,12 +69,14 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
          precisions: tuple[str, ...] = PRECISIONS, accumulate: list[int] | None = None, checkpointing: bool = True,
          offload: bool = True, strategies: tuple[str, ...] | None = None, allowance: int | str | None = None,
          tflops: float = 100.0, memory_bandwidth: int | str = "2TB", host_bandwidth: int | str = "16GB",
-         alternatives: int = 2, verify: bool = True) -> Plan:
+         alternatives: int = 2, verify: bool = True,
+         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None) -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
         make_model, make_optimizer, make_batch: as for ``gpukit.estimate.predict``; ``make_batch()`` returns
-            ``(inputs, targets)`` of the whole batch, as ``gpukit.step.train_step`` takes them. A model that
+            the whole batch: ``(inputs, targets)``, or with ``loss`` any structure (a dict, a transformers
+            ``BatchEncoding``, tuples, nested) whose tensors share their first dimension. A model that
             already exists (``lambda: model``) is predicted on fake copies and verified on a real copy
             (``copy.deepcopy``): it is never converted or stepped itself.
         budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes.
@@ -96,18 +99,25 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
         verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
             this machine (and time each fitting candidate's step here).
+        loss: how the step's loss is computed, as for ``gpukit.step.train_step``: ``None``, cross-entropy of
+            ``model(inputs)`` against ``targets``; ``"model"``, the model computes it (``model(**batch).loss``: a
+            transformers model with ``labels`` in the batch, no wrapper); or ``loss(model, batch)``. Accumulation
+            cuts every tensor of the batch along its first dimension.
 
     Returns:
         A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
 
     Raises:
         ValueError: for a budget, device, precision, strategy or accumulation that is not one (the message lists
-            what is allowed), a batch that is not ``(inputs, targets)``, or an optimizer that already exists
+            what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose tensors do not
+            share a batch dimension), a ``loss`` that is none of the above, or an optimizer that already exists
             returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
         TypeError: a model, optimizer or batch passed where the function that builds it is expected.
     """
     t0 = time.perf_counter()
-    check_factories(make_model, make_optimizer, make_batch, batch="lambda: (inputs, targets)")
+    check_factories(make_model, make_optimizer, make_batch,
+                    batch="lambda: (inputs, targets)" if loss is None else "lambda: batch")
+    loss = resolve_loss(loss)
     limit = parse_bytes(budget)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
@@ -137,7 +147,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     search = _Search(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
                      implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
-                     tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"],
+                     tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
                      host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives)
     rows = search.run()
     timing_error = None
@@ -158,7 +168,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         verification = _verify(search, choice, timing_error)
     result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
-    result._make_model, result._make_batch = search.make_real_model, make_batch
+    result._make_model, result._make_batch, result._loss = search.make_real_model, make_batch, search.loss
     return result
 
 

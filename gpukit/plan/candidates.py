@@ -128,13 +128,17 @@ class Plan:
     assumptions: str
     model_note: str
     optimizers: dict[str, Callable] = field(default_factory=dict, repr=False)  # label -> make_optimizer
+    _make_model: Callable | None = field(default=None, repr=False)  # what Plan.run builds and steps
+    _make_batch: Callable | None = field(default=None, repr=False)
+    _loss: Callable | None = field(default=None, repr=False)
 
     def run(self, row: Row, limit: int | str | None = None, device: str = "cpu"):
         """One real step of a row's candidate (``run_candidate``), under ``limit`` if given."""
         from .verify import run_candidate  # (verify builds on these classes)
 
         return run_candidate(self._make_model, self.optimizers[row.candidate.optimizer], self._make_batch,
-                             row.candidate, limit=None if limit is None else parse_bytes(limit), device=device)
+                             row.candidate, limit=None if limit is None else parse_bytes(limit), device=device,
+                             loss=self._loss)
 
     def frame(self):
         """The table as a pandas DataFrame."""

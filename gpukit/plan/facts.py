@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,7 +13,7 @@ from torch import nn
 from .._torch import FakeTensorMode
 from ..counter import round_up
 from ..factories import check_optimizer, fake_copy, real_tensors
-from ..step import checkpoint_plan
+from ..step import batch_size, batch_tensors, checkpoint_plan
 
 # -- what the search needs to know about the model -------------------------------------------------------------
 
@@ -29,6 +30,7 @@ class _ModelFacts:
     checkpoint_code: str
     largest_block_bytes: int  # float32 parameter bytes of the largest checkpoint block (FSDP's unit)
     existing_model: bool = False  # make_model() returns a model that already exists (real tensors under fake mode)
+    batch_mapping: bool = False  # the batch is a mapping of tensors (a dict, a BatchEncoding): keyword arguments
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
@@ -38,8 +40,9 @@ def _qualified_names(model: nn.Module) -> dict[nn.Module, str]:
     return {m: n for n, m in model.named_modules()}
 
 
-def _model_facts(make_model, make_batch) -> _ModelFacts:
-    """Shapes, parameters and forward FLOPs, under fake tensors (nothing allocated)."""
+def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
+    """Shapes, parameters and forward FLOPs, under fake tensors (nothing allocated). ``loss``: as for
+    ``gpukit.step.train_step`` (resolved: None or a function)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
@@ -48,15 +51,18 @@ def _model_facts(make_model, make_batch) -> _ModelFacts:
         if existing:  # the user's own model (lambda: model): read through a fake copy, never run itself
             model = fake_copy(model, fake_mode)
         batch = make_batch()
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
-            raise ValueError("make_batch() must return (inputs, targets), two tensors whose first dimension is "
-                             "the batch, as gpukit.step.train_step takes them")
-        x, y = batch
-        if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
-            raise ValueError(f"inputs {tuple(x.shape)} and targets {tuple(y.shape)} need the same first "
-                             "dimension: the batch")
-        b = int(x.shape[0])
-        per_sample = [(t.numel() // b, t.element_size()) for t in (x, y)]
+        if loss is None:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+                raise ValueError("make_batch() must return (inputs, targets), two tensors whose first dimension is "
+                                 "the batch, as gpukit.step.train_step takes them; for another batch (a dict, a "
+                                 "BatchEncoding...) say how the loss is computed: loss='model' (model(**batch).loss) "
+                                 "or loss=lambda model, batch: ...")
+            x, y = batch
+            if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+                raise ValueError(f"inputs {tuple(x.shape)} and targets {tuple(y.shape)} need the same first "
+                                 "dimension: the batch")
+        b = batch_size(batch)
+        per_sample = [(t.numel() // b if t.dim() else 0, t.element_size()) for t in batch_tensors(batch)]
         cp = checkpoint_plan(model)
         names = _qualified_names(model)
         counted: list[int] = []
@@ -75,7 +81,7 @@ def _model_facts(make_model, make_batch) -> _ModelFacts:
             handles.append(m.register_forward_hook(lambda *_: counted.append(counter.get_total_flops())))
         try:
             with torch.no_grad(), counter:
-                model(x)
+                model(x) if loss is None else loss(model, batch)
         finally:
             for h in handles:
                 h.remove()
@@ -96,7 +102,18 @@ def _model_facts(make_model, make_batch) -> _ModelFacts:
                     f"    checkpoint_sequential, {where}, {cp.segments}, use_reentrant=False)")
         else:
             code = ""
-    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing)
+        if cp.kind == "blocks" and getattr(model, "supports_gradient_checkpointing", False):
+            # A transformers model checkpoints the same blocks, each decoder or encoder layer, its own way:
+            # the recipe says it as its users write it (activation_checkpointing_enable from transformers 5.24,
+            # which deprecates gradient_checkpointing_enable).
+            for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+                if callable(getattr(model, name, None)):
+                    kwargs = name.split("_enable")[0] + "_kwargs"
+                    code = f'model.{name}({kwargs}={{"use_reentrant": False}})  # {cp}'
+                    break
+    mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
+    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
+                       mapping)
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .._torch import FakeTensorMode
+from ..step import model_loss
 from .candidates import Candidate
 from .search import _Search
 
@@ -43,6 +44,8 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
     if c.checkpointed:
         lines.append(search.facts.checkpoint_code or "# checkpointing: the whole model, in the forward below")
     k = c.accumulate
+    if search.loss is not None:
+        return "\n".join(lines + _loop_with_loss(c, search, dev, module, cls))
     lines += ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
     if c.precision == "half":
         lines.append("    x = x.half() if x.is_floating_point() else x")
@@ -79,3 +82,49 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         lines.insert(5, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; x, y: this rank's "
                         f"share (DistributedSampler)\n# {wrap}")
     return "\n".join(lines)
+
+
+def _loop_with_loss(c: Candidate, search: _Search, dev: str, module: str, cls: type) -> list[str]:
+    """The training loop for a step whose loss comes from ``plan(loss=...)``: a batch of any structure, moved
+    and cut into micro-batches as plain PyTorch does it for a dict (``gpukit.step`` for other structures)."""
+    k, mapping = c.accumulate, search.facts.batch_mapping
+    if mapping:
+        move = f"    batch = {{name: value.to({dev!r}) for name, value in batch.items()}}"
+        split = (f"[dict(zip(batch, parts)) for parts in zip(*(value.chunk({k}) for value in batch.values()))]")
+        half = "{name: v.half() if v.is_floating_point() else v for name, v in micro.items()}"
+    else:
+        move = f"    batch = map_tensors(lambda value: value.to({dev!r}), batch)  # from gpukit.step"
+        split = f"split_batch(batch, {k})  # from gpukit.step: every tensor cut along its first dimension"
+        half = "map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)"
+    own = search.loss is model_loss
+    compute = "model(**micro).loss" if own else "loss_fn(model, micro)  # the loss given to plan()"
+    if c.checkpointed and not search.facts.checkpoint_code:
+        fn = "lambda m, b: m(**b).loss" if own else "loss_fn"
+        compute = f"checkpoint({fn}, model, micro, use_reentrant=False)"
+    lines = [""] + ([] if mapping else ["from gpukit.step import map_tensors, split_batch"])
+    lines += ["for batch in loader:", move, "    optimizer.zero_grad(set_to_none=True)"]
+    ind = "    "
+    if k > 1:
+        lines.append(f"    for micro in {split}:  # {k} micro-batches, one optimizer step")
+        ind = "        "
+    else:
+        lines.append("    micro = batch")
+    if c.precision == "half":
+        lines.append(f"{ind}micro = {half}")
+    ctx = []
+    if c.precision in ("bf16", "fp16"):
+        ctx.append(f"torch.autocast({dev!r}, dtype=torch.{'bfloat16' if c.precision == 'bf16' else 'float16'})")
+    if c.offload:
+        ctx.append(f"torch.autograd.graph.save_on_cpu(pin_memory={dev == 'cuda'})")
+    body = f"loss = {compute}" if k == 1 else f"loss = {compute.split('  #')[0]} / {k}"
+    if ctx:
+        lines += [f"{ind}with {', '.join(ctx)}:", f"{ind}    {body}"]
+    else:
+        lines.append(f"{ind}{body}")
+    lines.append(f"{ind}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
+    lines += ["    scaler.step(optimizer)", "    scaler.update()"] if c.precision == "fp16" else ["    optimizer.step()"]
+    if c.strategy != "single GPU":
+        lines.insert(1, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}: wrap the model and "
+                        f"optimizer as for the (inputs, targets) recipe; batch: this rank's share")
+    return lines
+

@@ -14,6 +14,7 @@ import torch
 from .._torch import FakeTensorMode
 from ..estimate import predict
 from ..report import format_bytes
+from ..step import _forward, _user_loss, batch_device, map_tensors
 from .candidates import (
     PRECISIONS,
     ROUNDING,
@@ -34,12 +35,12 @@ from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_
 class _Search:
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
-                 tflops, memory_bandwidth, host_bandwidth, alternatives):
-        self.make_model, self.make_batch = make_model, make_batch
+                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None):
+        self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
         self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
         self.alternatives = alternatives
-        self.facts = _model_facts(make_model, make_batch)
+        self.facts = _model_facts(make_model, make_batch, loss)
         # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
         self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
         b = self.facts.batch_size
@@ -178,7 +179,8 @@ class _Search:
         n = micro * proxy_k
         copies = [0]
         p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
-                    _slice_batch(self.make_batch, n, self.facts.batch_size), step=_step_for(c, proxy_k, copies),
+                    _slice_batch(self.make_batch, n, self.facts.batch_size),
+                    step=_step_for(c, proxy_k, copies, self.loss),
                     device=self.device)
         self.predictions += 1
         held = self.facts.batch_bytes(self.facts.batch_size) - self.facts.batch_bytes(n)  # the full batch held
@@ -277,16 +279,18 @@ class _Search:
             copies = [0]
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = _model_maker(self.make_model, c.precision)()
-                x, y = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
+                batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 t = c.technique(1)
                 with _offload(copies):
-                    if t.half and x.is_floating_point():
-                        x = x.half()
-                    amp = torch.autocast(x.device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
+                    if t.half:
+                        batch = map_tensors(lambda v: v.half() if v.is_floating_point() else v, batch)
+                    device = batch_device(batch)
+                    amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
                     with amp:
-                        from ..step import _forward
-
-                        _forward(model, x, t.checkpointed)
+                        if self.loss is None:
+                            _forward(model, batch[0], t.checkpointed)
+                        else:
+                            _user_loss(model, batch, self.loss, t.checkpointed)
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
 

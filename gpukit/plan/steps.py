@@ -11,7 +11,7 @@ from torch import nn
 from .._torch import ScalerThatAlwaysSteps
 from ..counter import round_up
 from ..factories import fake_model
-from ..step import half_with_float_batchnorm, train_step
+from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
 from .candidates import Candidate
 
 # -- predicting one candidate ------------------------------------------------------------------------------------
@@ -23,8 +23,7 @@ def _slice_batch(make_batch, n: int, b: int):
         return make_batch
 
     def make():
-        x, y = make_batch()
-        return x[:n].clone(), y[:n].clone()
+        return first_samples(make_batch(), n)
 
     return make
 
@@ -48,15 +47,15 @@ def _offload(counter: list[int] | None = None):
         yield
 
 
-def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None):
+def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None):
     technique = candidate.technique(accumulate)
     state: dict = {}
 
     def step(model, optimizer, batch):
         if technique.amp is torch.float16 and "scaler" not in state:
-            state["scaler"] = ScalerThatAlwaysSteps(batch[0].device.type)  # made inside the fake run
+            state["scaler"] = ScalerThatAlwaysSteps(batch_device(batch).type)  # made inside the fake run
         with _offload(copies) if candidate.offload else contextlib.nullcontext():
-            train_step(model, optimizer, batch, technique, state.get("scaler"))
+            train_step(model, optimizer, batch, technique, state.get("scaler"), loss=loss)
 
     return step
 

@@ -10,9 +10,8 @@ import time
 
 import torch
 
-from .._torch import tree_map_only
 from ..report import format_bytes
-from ..step import train_step
+from ..step import map_tensors, train_step
 from .candidates import Candidate, Row, Verification
 from .search import _Search
 from .steps import _model_maker
@@ -39,9 +38,10 @@ def _small_enough(search: _Search, row: Row) -> bool:
 
 
 def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, *, limit: int | None = None,
-                  device: str = "cpu", seed: int = 0, timed_steps: int = 0):
+                  device: str = "cpu", seed: int = 0, timed_steps: int = 0, loss=None):
     """Build the candidate's model, optimizer and batch on ``device``, run a warm-up step, then one step under
-    ``gpukit.budget(limit)`` (counting what the process held before as outside the budget).
+    ``gpukit.budget(limit)`` (counting what the process held before as outside the budget). ``loss``: as for
+    ``gpukit.step.train_step``.
 
     Returns:
         ``(model, measured peak: state plus the step's peak, median seconds of ``timed_steps`` more steps or None)``.
@@ -68,7 +68,7 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
             model = _model_maker(make_model, candidate.precision, fake=False)()
         model.to(dev)
         optimizer = make_optimizer(model.parameters())
-        batch = tree_map_only(torch.Tensor, lambda t: t.to(dev), make_batch())
+        batch = map_tensors(lambda t: t.to(dev), make_batch())
         technique = candidate.technique()
         scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
         offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
@@ -76,7 +76,7 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
 
         def step():
             with offload:
-                train_step(model, optimizer, batch, technique, scaler)
+                train_step(model, optimizer, batch, technique, scaler, loss=loss)
 
         step()  # warm-up: gradients and optimizer state exist
         cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
@@ -111,10 +111,10 @@ def _time_fitting(search: _Search) -> str | None:
     plain = Candidate(next(iter(make_opt)))
     try:
         _, _, base = run_candidate(search.make_real_model, make_opt[plain.optimizer][0], search.make_batch, plain,
-                                   device=here, timed_steps=3)
+                                   device=here, timed_steps=3, loss=search.loss)
         for r in fitting:
             _, _, s = run_candidate(search.make_real_model, make_opt[r.candidate.optimizer][0], search.make_batch,
-                                    r.candidate, device=here, timed_steps=3)
+                                    r.candidate, device=here, timed_steps=3, loss=search.loss)
             r.measured_slowdown, r.measured_on = s / base, here
     except (RuntimeError, NotImplementedError) as err:  # a kernel this machine lacks (float16 on some CPUs)
         return str(err).splitlines()[0][:120]
@@ -136,7 +136,7 @@ def _verify(search: _Search, choice: Row | None, timing_error: str | None) -> Ve
     limit = search.limit - search.allowance if here == search.device else None
     try:
         _, measured, _ = run_candidate(search.make_real_model, make_opt[c.optimizer][0], search.make_batch, c,
-                                       device=here, limit=limit)
+                                       device=here, limit=limit, loss=search.loss)
         fitted = True
     except torch.OutOfMemoryError:
         measured, fitted = None, False
