@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._torch import DataDependentOutputException, FakeTensor, TorchDispatchMode, _disable_current_modes, tree_flatten, tree_unflatten
 
 CHECK_LIMIT = 16 * 2**20  # bytes of inputs and outputs up to which an op is run for real
+LOW_PRECISION_LIMIT = 2**20  # the same for a structured op with float16 or bfloat16 inputs (slow on many CPUs)
 KNOWN_VALUES_LIMIT = 2**20  # elements: integer tensors whose real values are followed through the step
 GENUINE_FLOATS_LIMIT = 64  # elements: small float tensors (optimizer scalars) followed where their values are real
 
@@ -185,7 +186,13 @@ class FakeKernelCheck(TorchDispatchMode):
         has_known = any(t in known or not isinstance(t, FakeTensor) for t in tensors)
         flat_out, spec = tree_flatten(out)
         trusted = _trusted(func)
-        if trusted and not has_known and func not in self._fix and self._size(tensors, flat_out) > self.limit:
+        if trusted and not has_known and func not in self._fix and (
+                self._size(tensors, flat_out) > self.limit
+                or (self._size(tensors, flat_out) > LOW_PRECISION_LIMIT
+                    and any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors))):
+            # Sizes from the meta function every backend shares: the real run would only look for an error. In
+            # 16 bits it can cost much on a CPU without 16-bit arithmetic (a float16 product of 1024 x 2048 by
+            # 2048 x 2048: 32 s here), and the step it checks is one planned for a GPU.
             return out
         all_genuine = all(t in self.genuine or not isinstance(t, FakeTensor) for t in tensors)
         key = (func, _signature(args), _signature(kwargs))

@@ -131,3 +131,27 @@ def test_out_of_range_ids_raise_where_the_op_is_too_big_to_run(monkeypatch):
     with pytest.raises(IndexError, match="Target 7 is out of bounds"):
         predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[0, 7]])), step)
     assert predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[-100, 6]])), step).lower_bound
+
+
+def test_a_large_16_bit_structured_op_is_not_rerun_on_the_cpu(monkeypatch):
+    """Device: cpu (fake tensors). A float16 matrix product of a few MiB takes seconds on a CPU without 16-bit
+    arithmetic and could only look for an error: it is not run; the float32 one of the same shapes still is."""
+    from gpukit.fakecheck import FakeKernelCheck
+
+    ran = []
+    real_run = FakeKernelCheck._run
+
+    def recording(self, func, args, kwargs):
+        ran.append((str(func), next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)))
+        return real_run(self, func, args, kwargs)
+
+    monkeypatch.setattr(FakeKernelCheck, "_run", recording)
+    FakeKernelCheck._cache.clear()  # process-wide: signatures met by other tests would not be run again
+    for dtype in (torch.float16, torch.float32):
+        def step(model, optimizer, batch, dtype=dtype):
+            (model(batch.to(dtype)).float().sum()).backward()
+            optimizer.step()
+
+        predict(lambda dtype=dtype: nn.Linear(1024, 1024, bias=False, dtype=dtype),
+                lambda p: torch.optim.SGD(p, lr=0.1), lambda: torch.randn(512, 1024), step)
+    assert ("aten.mm.default", torch.float32) in ran and ("aten.mm.default", torch.float16) not in ran
