@@ -1,4 +1,5 @@
-"""The planner's search cost: plan() for a 1.3-billion-parameter GPT against a 24 GB GPU, on this machine's CPU.
+"""The planner's search cost: plan() for a 1.3-billion-parameter GPT against a 24 GB GPU, on this machine's CPU;
+and for a transformers Llama of 1.24 billion parameters, beside one predict() of its step (and one of an 8B's).
 
 The model is GPT-3 XL's shape (24 layers of width 2048, 16 heads, sequences of 1024 tokens, GPT-2's vocabulary
 of 50,257 with an untied output layer: 1.42 billion parameters) with AdamW, a batch of 8 sequences; the plan is
@@ -35,8 +36,65 @@ CASES = {
 }
 
 
-def main() -> list[dict]:
+# Llama-3.2-1B's shape (1.24B parameters, vocabulary 128,256, tied embeddings) and Llama-3-8B's, built by
+# transformers under fake tensors (nothing downloaded or allocated), trained with the loss the model computes.
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True, use_cache=False)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, use_cache=False)
+
+
+def llama_batch(vocab: int, batch: int, length: int = 1024):
+    ids = torch.randint(0, vocab, (batch, length))
+    mask = torch.ones_like(ids)
+    mask[::2, -64:] = 0  # padded, as a tokenizer pads: the masks a real step builds (see tests/test_transformers.py)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def llama_rows() -> list[dict]:
+    """One predict() of the plain step and a whole plan() for the 1.24B Llama against 24 GB, in the same run
+    (the target: the plan within 4x the prediction), and one predict() of the 8B Llama at 1 x 1,024 tokens."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return []
+    from gpukit.estimate import predict
+    from gpukit.step import train_step
+
+    def step(model, optimizer, batch):
+        train_step(model, optimizer, batch, loss="model")
+
     rows = []
+    for name, shape, batch in (("Llama-3.2-1B shape", LLAMA_1B, 8), ("Llama-3-8B shape", LLAMA_8B, 1)):
+        make_model = (lambda shape=shape: LlamaForCausalLM(LlamaConfig(**shape)))
+        make_batch = (lambda shape=shape, batch=batch: llama_batch(shape["vocab_size"], batch))
+        t0 = time.perf_counter()
+        p = predict(make_model, lambda params: torch.optim.AdamW(params), make_batch, step, device="cuda")
+        one = time.perf_counter() - t0
+        row = {"case": f"{name}, predict() of the plain step, batch {batch} x 1024", "parameters": f"{p.parameters:,}",
+               "budget": "", "seconds": round(one, 1), "predictions": 1, "candidates": "", "pruned": "",
+               "choice": f"peak {p.peak / 1e9:.1f} GB", "choice need GB": None, "torch": torch.__version__}
+        rows.append(row)
+        print(f"{row['case']:<58} {one:6.1f} s  ({row['choice']})", flush=True)
+        if shape is LLAMA_1B:
+            t0 = time.perf_counter()
+            pl = plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, BUDGET, alternatives=0,
+                      loss="model")
+            seconds = time.perf_counter() - t0
+            rows.append({"case": f"{name}, plan() against {BUDGET} ({seconds / one:.1f}x one predict)",
+                         "parameters": row["parameters"], "budget": BUDGET, "seconds": round(seconds, 1),
+                         "predictions": pl.predictions, "candidates": len(pl.rows),
+                         "pruned": sum(r.need is None for r in pl.rows),
+                         "choice": f"{pl.choice.candidate.label} [{pl.choice.candidate.optimizer}]" if pl.choice
+                         else "nothing fits", "choice need GB": round(pl.choice.need / 1e9, 2) if pl.choice else None,
+                         "torch": torch.__version__})
+            print(f"{rows[-1]['case']:<58} {seconds:6.1f} s  {pl.predictions:>3} predictions; {rows[-1]['choice']}",
+                  flush=True)
+    return rows
+
+
+def main() -> list[dict]:
+    rows = llama_rows()
     for name, kwargs in CASES.items():
         t0 = time.perf_counter()
         p = plan(lambda: TinyGPT(GPT_1_3B), lambda params: torch.optim.AdamW(params, lr=3e-4), make_batch,
@@ -57,7 +115,7 @@ def main() -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    return ["plan() for a 1.3B GPT against 24 GB: "
+    return ["plan() and predict() on big models: "
             + "; ".join(f"{r['case']} {r['seconds']} s, {r['predictions']} predictions ({r['choice']})" for r in rows)]
 
 

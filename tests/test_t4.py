@@ -9,6 +9,7 @@ within 90% of the T4's memory as torch reports it."""
 
 import ast
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ def gpu_settings(name, monkeypatch):
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
         m.setattr(gpukit, "warm_up", lambda *a, **k: None)
+        m.setattr(torch.cuda, "get_device_properties",
+                  lambda *a: SimpleNamespace(name="Tesla T4", total_memory=T4_BYTES, major=7, minor=5))
         exec(cell, scope)
     assert scope["DEVICE"].type == "cuda"
     return scope
@@ -83,12 +86,22 @@ def case_05(s):  # the float32 model, the larger of the two
     return (lambda: ConvNet(s["CHANNELS"])), digits(s["BATCH"])
 
 
+def case_06(s):  # every part on the GPU: the embedding table, its gradient and Adam's state there
+    scope = definitions("06_cpu_offload", 3, {**s, "nn": nn, "CUDA": False, "HOST": torch.device("cpu")})
+    cpu = torch.device("cpu")
+
+    def make_batch():
+        return torch.randint(0, s["BUCKETS"], (s["BATCH"], 56)), torch.randint(0, 10, (s["BATCH"],))
+
+    return (lambda: scope["BagModel"](cpu, cpu, s["BUCKETS"])), make_batch
+
+
 def case_10(s):
     return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
 
 
 CASES = {"02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04_gradient_checkpointing": case_04,
-         "05_half_with_float_batchnorm": case_05, "10_everyday_savings": case_10}
+         "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06, "10_everyday_savings": case_10}
 
 
 @pytest.mark.parametrize("name", CASES)
