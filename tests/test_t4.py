@@ -3,7 +3,8 @@ predicted on fake tensors with CUDA's code paths: device='cuda').
 
 The sizes are each notebook's own: its settings cell runs here with torch told that a GPU is present, a T4
 (compute capability 7.5, no bfloat16 tensor cores). Each case predicts the notebook's largest training step,
-forward, backward and an Adam step (no notebook's step holds more: Adam keeps the most state), and asserts that
+forward, backward and an Adam step (no notebook's step holds more: Adam keeps the most state), or for notebook
+01 its largest evaluation (a forward that keeps its graph), and asserts that
 its reserved memory at the peak (the simulated caching allocator), plus the CUDA context allowance, stays
 within 90% of the T4's memory as torch reports it."""
 
@@ -69,6 +70,24 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 
 
+def case_00(s):  # the MLP whose parameters, gradients and Adam state the notebook measures
+    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=2)), digits(s["BATCH"])
+
+
+def case_01(s):  # the three evaluations, the first with model.eval() alone: a forward that keeps its graph
+    return (lambda: ConvNet(s["CHANNELS"]).eval()), digits(s["EVAL_BATCH"]), forward_with_graph
+
+
+def forward_with_graph(model, optimizer, batch):
+    """Cells 4 to 6: the output with its graph stays while the no_grad and inference_mode forwards run."""
+    kept = model(batch[0])
+    with torch.no_grad():
+        out_no_grad = model(batch[0])
+    with torch.inference_mode():
+        model(batch[0])
+    del kept, out_no_grad
+
+
 def case_02(s):
     return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=3)), digits(s["BATCH"])
 
@@ -100,7 +119,7 @@ def case_10(s):
     return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
 
 
-CASES = {"02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04_gradient_checkpointing": case_04,
+CASES = {"00_where_memory_goes": case_00, "01_no_grad": case_01, "02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04_gradient_checkpointing": case_04,
          "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06, "10_everyday_savings": case_10}
 
 
@@ -108,8 +127,8 @@ CASES = {"02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04
 def test_the_notebooks_gpu_sized_step_fits_a_t4_with_headroom(name, monkeypatch):
     """Device: cpu (fake tensors), predicting a T4 (cuda)."""
     settings = gpu_settings(name, monkeypatch)
-    make_model, make_batch = CASES[name](settings)
-    p = predict(make_model, adam, make_batch, device="cuda")
+    make_model, make_batch, *step = CASES[name](settings)
+    p = predict(make_model, adam, make_batch, *step, device="cuda")
     need = p.reserved_peak + CONTEXT_ALLOWANCE
     assert p.reserved_peak >= p.peak > 0
     assert need <= HEADROOM * T4_BYTES, (f"{name}: {need / MiB:,.0f} MiB needed on a T4 "
