@@ -141,3 +141,16 @@ def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
     p = predict(lambda: MLP(n_in=64, width=settings["WIDTH"], depth=settings["DEPTH"]), adam,
                 digits(8 * settings["BATCH"]), device="cuda")
     assert p.reserved_peak + CONTEXT_ALLOWANCE > HEADROOM * T4_BYTES
+
+
+def test_the_technique_matrix_fits_a_t4_in_notebook_09(monkeypatch):
+    """Device: cpu (fake tensors), predicting a T4. Notebook 09 runs each reference model's baseline step (AdamW,
+    float32, the whole batch), the largest of its techniques, at the sizes its settings choose on a GPU."""
+    from gpukit.lessons.techniques import reference_setups
+
+    settings = gpu_settings("09_gpu_results", monkeypatch)
+    for setup in reference_setups(settings["SIZE"]):
+        p = predict(setup.make_model, lambda params: torch.optim.AdamW(params), lambda: setup.make_batch(setup.batch),
+                    device="cuda")
+        need = p.reserved_peak + CONTEXT_ALLOWANCE
+        assert need <= HEADROOM * T4_BYTES, f"{setup.name}: {need / MiB:,.0f} MiB needed on a T4"
