@@ -28,11 +28,12 @@ def project():
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def colab():
-    """(Python version, {canonical name: version}) of Colab's GPU runtime, from constraints-colab.txt."""
-    text = COLAB.read_text()
+def colab(path=COLAB):
+    """(Python version, {canonical name: version}) of Colab's GPU runtime, from constraints-colab.txt (or of the
+    image another such file describes)."""
+    text = path.read_text()
     python = re.search(r"Python (\d+\.\d+\.\d+)", text)
-    assert python, "constraints-colab.txt names the Python of the image it was taken from"
+    assert python, f"{path.name} names the Python of the image it was taken from"
     pins = {}
     for line in text.splitlines():
         if line.strip() and not line.startswith("#"):
@@ -59,7 +60,7 @@ def unmet(requirements, pins):
     for req in requirements:
         have = pins.get(canonicalize_name(req.name))
         if have is None or not req.specifier.contains(have, prereleases=True):
-            bad.append(f"{req.name}{req.specifier} (Colab has {have or 'nothing'})")
+            bad.append(f"{req.name}{req.specifier} (the image has {have or 'nothing'})")
     return bad
 
 
@@ -85,8 +86,22 @@ def test_the_check_itself_sees_a_floor_above_colab():
     old = ["ipython>=8.39,<10", "ipykernel>=6.31,<8", "numpy>=2.2,<3", "jupyterlab>=4.6,<5",
            "tqdm>=4.67.3,<5", "torch>=2.11; python_version < '3.13'"]
     assert unmet(applying(old, python), pins) == [
-        "ipython<10,>=8.39 (Colab has 7.34.0)", "ipykernel<8,>=6.31 (Colab has 6.17.1)",
-        "numpy<3,>=2.2 (Colab has 2.1.3)", "jupyterlab<5,>=4.6 (Colab has nothing)"]
+        "ipython<10,>=8.39 (the image has 7.34.0)", "ipykernel<8,>=6.31 (the image has 6.17.1)",
+        "numpy<3,>=2.2 (the image has 2.1.3)", "jupyterlab<5,>=4.6 (the image has nothing)"]
+
+
+def test_on_kaggle_gpukit_would_replace_torch_alone():
+    """Kaggle's GPU image (constraints-kaggle.txt, derived from its build files) is a Colab image of May 2026:
+    torch 2.10, on which gpukit is not checked (gpukit._torch.CHECKED; its unit tests there fail one
+    torch.compile test after blocks on other threads). Every other requirement is met, the floors of numpy,
+    pandas, nvidia-ml-py and transformers being Kaggle's versions (its unit tests and notebooks passed with them);
+    so pip would replace torch there and nothing else."""
+    kaggle = ROOT / "constraints-kaggle.txt"
+    python, pins = colab(kaggle)
+    assert python.startswith("3.12.") and "github.com/Kaggle/docker-python" in kaggle.read_text()
+    meta = project()
+    wanted = applying(meta["dependencies"] + meta["optional-dependencies"]["lessons"], python)
+    assert unmet(wanted, pins) == ["torch<2.16,>=2.11 (the image has 2.10.0)"]
 
 
 def imported_modules():
