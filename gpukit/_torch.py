@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-CHECKED = ((2, 11), (2, 15))   # the oldest and newest minor versions the suite passed on (both included)
+CHECKED = ((2, 10), (2, 15))   # the oldest and newest minor versions the suite passed on (both included)
 
 
 class UnsupportedTorch(RuntimeError):
@@ -340,9 +340,32 @@ def let_dynamo_trace_again(code) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
 
 
+def reset_dispatch_mode_flags() -> None:
+    """Set torch 2.10's process-wide "a dispatch mode is on" flags from this thread's mode stack.
+
+    In torch 2.10 dynamo skips every frame while ``_is_in_any_mode_without_ignore_compile_internals`` is set
+    (``should_skip_due_to_torch_dispatch_mode``, torch/_dynamo/convert_frame.py): a flag of the process, set by
+    ``TorchDispatchMode.__enter__`` and put back by ``__exit__`` to what that mode saw on entering
+    (torch/utils/_python_dispatch.py). Counting modes entered and left on several threads in overlapping order,
+    or left pushed on a thread that ended, leave it set, and every later ``torch.compile`` in the process runs
+    eagerly without a word. From torch 2.11 dynamo asks the thread's own stack instead
+    (``any_torch_dispatch_mode_on_stack``), and this does nothing. Called once no counting mode is left on any
+    thread."""
+    from torch.utils import _python_dispatch as dispatch
+
+    if hasattr(dispatch, "any_torch_dispatch_mode_on_stack"):
+        return
+    stack = dispatch._get_current_dispatch_mode_stack()
+    compile_blocked = any(not m.ignore_compile_internals() for m in stack)
+    dispatch._is_in_torch_dispatch_mode = bool(stack)
+    dispatch._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in stack)
+    dispatch._is_in_any_mode_without_ignore_compile_internals = compile_blocked
+    dispatch.set_is_in_mode_without_ignore_compile_internals(compile_blocked)
+
+
 __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "DataDependentOutputException",
            "FakeTensor", "FakeTensorMode", "MemTracker", "MemTrackerThatLetsGo", "ModTrackerThatLetsGo", "StepTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
            "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
            "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
-           "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode"]
+           "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags"]

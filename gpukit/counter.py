@@ -65,6 +65,7 @@ import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
                      dynamo_code_in_question, is_traceable_wrapper_subclass, let_dynamo_trace_again, never_traced,
+                     reset_dispatch_mode_flags,
                      set_storage_resize, storage_resize, tree_flatten)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
@@ -1078,6 +1079,7 @@ class Ledger:
             self._forget_dead_threads()
             if not self._pushed:
                 self._unpatch_storage_resize()
+                reset_dispatch_mode_flags()  # torch 2.10: what the threads' modes left set (gpukit._torch)
 
     def _forget_dead_threads(self) -> None:
         """A thread's mode stack ends with the thread: forget the modes of threads that ended."""

@@ -48,14 +48,14 @@ def test_the_scan_finds_each_kind_of_private_access(tmp_path):
                                           "assignment to torch.UntypedStorage", "torch._dynamo"}
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.15.0", "2.15.3+cu132"])
+@pytest.mark.parametrize("version", ["2.10.0+cu128", "2.11.0+cu130", "2.13.0+cpu", "2.15.0", "2.15.3+cu132"])
 def test_the_checked_versions_are_accepted(version):
     _torch.check_version(version, allow_unchecked=False)
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.16.0.dev20261101", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.9.1", "2.16.0.dev20261101", "3.0.0"])
 def test_a_version_outside_the_checked_range_is_refused_with_what_to_do(version):
-    with pytest.raises(_torch.UnsupportedTorch, match=r"checked on torch 2\.11 to 2\.15.*GPUKIT_UNCHECKED_TORCH=1"):
+    with pytest.raises(_torch.UnsupportedTorch, match=r"checked on torch 2\.10 to 2\.15.*GPUKIT_UNCHECKED_TORCH=1"):
         _torch.check_version(version, allow_unchecked=False)
     _torch.check_version(version, allow_unchecked=True)  # the user's own risk, when asked for
 

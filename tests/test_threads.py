@@ -156,3 +156,22 @@ def test_a_block_that_ends_on_another_thread_still_closes():
     meter.__exit__(None, None, None)  # on this thread
     assert not LEDGER.tallies
     assert opened.report.peak == round_up(4 * MB)
+
+
+def test_a_mode_left_on_an_ended_thread_leaves_no_process_wide_flag_that_stops_torch_compile(monkeypatch):
+    """Device: cpu. torch 2.10's dynamo skips every frame while a process-wide flag says a dispatch mode is on,
+    which TorchDispatchMode.__enter__ sets and __exit__ puts back: a counting mode left on a thread that ended is
+    never exited, and every later torch.compile ran eagerly (found on 2.10: three tests of this file, then a
+    compile test). torch 2.11 and later ask the thread's own stack (any_torch_dispatch_mode_on_stack); without
+    that function, as on 2.10, gpukit sets the flag from this thread's stack once no counting mode is left."""
+    from torch.utils import _python_dispatch as dispatch
+
+    monkeypatch.delattr(dispatch, "any_torch_dispatch_mode_on_stack", raising=False)  # torch 2.10 has none
+    meter = gpukit.measure(device="cpu", record=False)
+    t = threading.Thread(target=meter.__enter__)
+    t.start()
+    t.join()
+    assert dispatch._is_in_any_mode_without_ignore_compile_internals  # set on that thread, never put back there
+    meter.__exit__(None, None, None)
+    assert not dispatch._is_in_any_mode_without_ignore_compile_internals
+    assert not dispatch._is_in_torch_dispatch_mode and not LEDGER._pushed
