@@ -197,3 +197,21 @@ def test_kit_links_rewrites_a_stale_cell_and_link_and_leaves_current_ones(tmp_pa
         cells, before = (json.loads(p.read_text())["cells"] for p in (copy, path))
         assert len(cells) == len(before) and cells[2:] == before[2:]
     assert kit.colab_url(other, NOTEBOOKS[0].name) in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("urls", ['', '\n[project.urls]\nRepository = "git@github.com:someone/gpukit"\n'])
+def test_kit_links_refuses_a_missing_or_unusable_repository_url_and_writes_nothing(tmp_path, monkeypatch, urls):
+    """Files only: without an https://github.com/OWNER/NAME address there is nothing to build links from."""
+    import shutil
+
+    text = (ROOT / "pyproject.toml").read_text()
+    start = text.index("[project.urls]")
+    end = text.index("\n[", start + 1)
+    (tmp_path / "pyproject.toml").write_text(text[:start] + urls + text[end:])
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.cfg"))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    monkeypatch.setattr(kit, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"no \[project.urls\] Repository = \"https://github.com/OWNER/NAME\""):
+        kit.links([])
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
