@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from ._torch import SUPPORTED_NODES, tree_map_only
+
 
 @dataclass(frozen=True)
 class Technique:
@@ -187,6 +189,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     if isinstance(batch, list):
         return [map_tensors(fn, v) for v in batch]
+    if type(batch) in SUPPORTED_NODES:  # another container registered with torch's pytree (a dataclass, say)
+        return tree_map_only(torch.Tensor, fn, batch)
     return batch
 
 

@@ -119,3 +119,28 @@ def test_a_loss_that_is_not_one_is_refused_and_nothing_is_stepped():
     assert torch.equal(model.weight, before)
     train_step(model, opt, batch, Technique(accumulate=2), loss=lambda m, b: m(b["x"]).square().mean())
     assert not torch.equal(model.weight, before)
+
+
+def test_a_batch_registered_with_torchs_pytree_is_reached_too():
+    """Device: cpu. A dataclass batch registered as a pytree node (as libraries register their outputs) is cut
+    and mapped like a dict, as torch's own tree functions reach it."""
+    import dataclasses
+
+    from torch.utils import _pytree
+
+    from gpukit.step import batch_size, map_tensors, split_batch
+
+    @dataclasses.dataclass
+    class Batch:
+        ids: torch.Tensor
+        labels: torch.Tensor
+
+    _pytree.register_dataclass(Batch)
+    try:
+        batch = Batch(torch.arange(8).view(4, 2), torch.arange(4))
+        assert batch_size(batch) == 4
+        halves = split_batch(batch, 2)
+        assert all(type(h) is Batch for h in halves) and torch.equal(halves[1].labels, torch.tensor([2, 3]))
+        assert map_tensors(lambda t: t.float(), batch).ids.dtype == torch.float32
+    finally:
+        _pytree._deregister_pytree_node(Batch)
