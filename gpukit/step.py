@@ -287,6 +287,35 @@ def _user_loss(model: nn.Module, micro: Any, loss, checkpointed: bool) -> torch.
     return value
 
 
+def micro_loss(model: nn.Module, micro: Any, technique: Technique, loss=None) -> tuple[torch.Tensor, Any, Any]:
+    """One micro-batch's forward and loss with the technique's mechanisms (half inputs, autocast, saved tensors
+    on the host, checkpointing), divided by the number of micro-batches: ``(loss, the model's output or None,
+    the micro-batch as the forward took it)``. ``loss``: None, for ``(inputs, targets)`` and cross-entropy, or a
+    function from ``resolve_loss``. The caller keeps the output until backward has run, as a training loop does."""
+    t = technique
+    if loss is None:
+        xs, ys = micro
+        if t.half and xs.is_floating_point():
+            xs = xs.half()
+        micro, device = (xs, ys), xs.device
+    else:
+        if t.half:
+            micro = map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)
+        device = batch_device(micro)
+    amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
+    offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if t.offload
+               else contextlib.nullcontext())
+    with amp, offload:
+        if loss is None:
+            out = _forward(model, micro[0], t.checkpointed)
+            value = F.cross_entropy(out.float().flatten(0, -2), micro[1].flatten())
+        else:
+            out, value = None, _user_loss(model, micro, loss, t.checkpointed)
+        if t.accumulate > 1:
+            value = value / t.accumulate  # the gradients of k micro-batches add up to the full batch's
+    return value, out, micro
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                technique: Technique = BASELINE, scaler: torch.amp.GradScaler | None = None,
                loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None) -> None:
@@ -307,51 +336,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         raise ValueError("float16 autocast needs an enabled torch.amp.GradScaler: pass "
                          "scaler=torch.amp.GradScaler(device.type), kept across steps")
     loss = resolve_loss(loss)
-    if loss is not None:
+    if loss is None:
+        x, y = batch
+        micro_batches = list(zip(x.chunk(t.accumulate), y.chunk(t.accumulate)))
+    else:
         micro_batches = split_batch(batch, t.accumulate)
-        optimizer.zero_grad(set_to_none=True)
-        for micro in micro_batches:
-            if t.half:
-                micro = map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)
-            device = batch_device(micro)
-            amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
-            offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if t.offload
-                       else contextlib.nullcontext())
-            with amp, offload:
-                value = _user_loss(model, micro, loss, t.checkpointed)
-                if t.accumulate > 1:
-                    value = value / t.accumulate
-            (scaler.scale(value) if scaler is not None else value).backward()
-            del value
-        del micro_batches, micro
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        return
-    x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    for xs, ys in zip(x.chunk(t.accumulate), y.chunk(t.accumulate)):
-        if t.half and xs.is_floating_point():
-            xs = xs.half()
-        amp = torch.autocast(xs.device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=xs.is_cuda) if t.offload
-                   else contextlib.nullcontext())
-        with amp, offload:
-            out = _forward(model, xs, t.checkpointed)
-            loss = F.cross_entropy(out.float().flatten(0, -2), ys.flatten())
-            if t.accumulate > 1:
-                loss = loss / t.accumulate  # the gradients of k micro-batches add up to the full batch's
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del out, loss
+    for micro in micro_batches:
+        value, out, micro = micro_loss(model, micro, t, loss)
+        (scaler.scale(value) if scaler is not None else value).backward()
+        del value, out
     if scaler is not None:
         scaler.step(optimizer)  # a disabled scaler just steps
         scaler.update()
     else:
         optimizer.step()
 
-
 __all__ = ["Technique", "BASELINE", "CheckpointPlan", "checkpoint_plan", "checkpointing",
-           "half_with_float_batchnorm", "train_step", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
+           "half_with_float_batchnorm", "train_step", "micro_loss", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
            "batch_size", "split_batch", "first_samples", "batch_device"]

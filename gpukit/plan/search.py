@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import heapq
 import math
 from dataclasses import replace
 from typing import Callable
 
-import torch
 
 from .._torch import FakeTensorMode
 from ..estimate import predict
 from ..report import format_bytes
-from ..step import _forward, _user_loss, batch_device, map_tensors
+from ..step import micro_loss
 from .candidates import (
     PRECISIONS,
     ROUNDING,
@@ -280,17 +278,9 @@ class _Search:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = _model_maker(self.make_model, c.precision)()
                 batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
-                t = c.technique(1)
+                # The forward and the loss, as the step runs them under save_on_cpu, whose place _offload takes.
                 with _offload(copies):
-                    if t.half:
-                        batch = map_tensors(lambda v: v.half() if v.is_floating_point() else v, batch)
-                    device = batch_device(batch)
-                    amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
-                    with amp:
-                        if self.loss is None:
-                            _forward(model, batch[0], t.checkpointed)
-                        else:
-                            _user_loss(model, batch, self.loss, t.checkpointed)
+                    micro_loss(model, batch, replace(c.technique(1), offload=False), self.loss)
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
 
