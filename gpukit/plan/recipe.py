@@ -43,10 +43,23 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         lines.append(f"scaler = torch.amp.GradScaler({dev!r})")
     if c.checkpointed:
         lines.append(search.facts.checkpoint_code or "# checkpointing: the whole model, in the forward below")
+    lines += _loop(c, search, dev) if search.loss is None else _loop_with_loss(c, search, dev)
+    if c.strategy != "single GPU":
+        wrap = {"DDP": "model = torch.nn.parallel.DistributedDataParallel(model)  # after .to(device), before the "
+                       "optimizer",
+                "ZeRO-1": "optimizer = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
+                          f"optimizer_class={module}.{cls.__name__})  # with DDP as above",
+                "FSDP": "for block in blocks: fully_shard(block); fully_shard(model)  "
+                        "# torch.distributed.fsdp, before the optimizer"}[c.strategy]
+        lines.insert(5, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; each batch: this "
+                        f"rank's share (DistributedSampler)\n# {wrap}")
+    return "\n".join(lines)
+
+
+def _loop(c: Candidate, search: _Search, dev: str) -> list[str]:
+    """The training loop for the plain step's ``(inputs, targets)`` batches and cross-entropy."""
     k = c.accumulate
-    if search.loss is not None:
-        return "\n".join(lines + _loop_with_loss(c, search, dev, module, cls))
-    lines += ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
+    lines = ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
     if c.precision == "half":
         lines.append("    x = x.half() if x.is_floating_point() else x")
     lines.append("    optimizer.zero_grad(set_to_none=True)")
@@ -56,35 +69,28 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         ind, xs, ys = "        ", "xs", "ys"
     else:
         xs, ys = "x", "y"
+    forward = (f"checkpoint(model, {xs}, use_reentrant=False)" if c.checkpointed and not search.facts.checkpoint_code
+               else f"model({xs})")
+    body = [f"out = {forward}", f"loss = F.cross_entropy(out.float().flatten(0, -2), {ys}.flatten())"
+            + (f" / {k}" if k > 1 else "")]
+    return lines + _step(c, dev, ind, body)
+
+
+def _step(c: Candidate, dev: str, ind: str, body: list[str]) -> list[str]:
+    """A micro-batch's lines (``body``, under autocast and save_on_cpu where the candidate has them), its backward,
+    and the optimizer step (through the GradScaler for float16)."""
     ctx = []
     if c.precision in ("bf16", "fp16"):
         ctx.append(f"torch.autocast({dev!r}, dtype=torch.{'bfloat16' if c.precision == 'bf16' else 'float16'})")
     if c.offload:
         ctx.append(f"torch.autograd.graph.save_on_cpu(pin_memory={dev == 'cuda'})")
-    forward = (f"checkpoint(model, {xs}, use_reentrant=False)" if c.checkpointed and not search.facts.checkpoint_code
-               else f"model({xs})")
-    body = [f"out = {forward}", f"loss = F.cross_entropy(out.float().flatten(0, -2), {ys}.flatten())"
-            + (f" / {k}" if k > 1 else "")]
-    if ctx:
-        lines.append(f"{ind}with {', '.join(ctx)}:")
-        lines += [f"{ind}    {b}" for b in body]
-    else:
-        lines += [f"{ind}{b}" for b in body]
+    lines = ([f"{ind}with {', '.join(ctx)}:"] + [f"{ind}    {b}" for b in body]) if ctx else [f"{ind}{b}" for b in body]
     lines.append(f"{ind}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
     lines += ["    scaler.step(optimizer)", "    scaler.update()"] if c.precision == "fp16" else ["    optimizer.step()"]
-    if c.strategy != "single GPU":
-        wrap = {"DDP": "model = torch.nn.parallel.DistributedDataParallel(model)  # after .to(device), before the "
-                       "optimizer",
-                "ZeRO-1": "optimizer = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
-                          f"optimizer_class={module}.{cls.__name__})  # with DDP as above",
-                "FSDP": "for block in blocks: fully_shard(block); fully_shard(model)  "
-                        "# torch.distributed.fsdp, before the optimizer"}[c.strategy]
-        lines.insert(5, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; x, y: this rank's "
-                        f"share (DistributedSampler)\n# {wrap}")
-    return "\n".join(lines)
+    return lines
 
 
-def _loop_with_loss(c: Candidate, search: _Search, dev: str, module: str, cls: type) -> list[str]:
+def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
     """The training loop for a step whose loss comes from ``plan(loss=...)``: a batch of any structure, moved
     and cut into micro-batches as plain PyTorch does it for a dict (``gpukit.step`` for other structures)."""
     k, mapping = c.accumulate, search.facts.batch_mapping
@@ -93,8 +99,8 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str, module: str, cls: t
         split = (f"[dict(zip(batch, parts)) for parts in zip(*(value.chunk({k}) for value in batch.values()))]")
         half = "{name: v.half() if v.is_floating_point() else v for name, v in micro.items()}"
     else:
-        move = f"    batch = map_tensors(lambda value: value.to({dev!r}), batch)  # from gpukit.step"
-        split = f"split_batch(batch, {k})  # from gpukit.step: every tensor cut along its first dimension"
+        move = f"    batch = map_tensors(lambda value: value.to({dev!r}), batch)"
+        split = f"split_batch(batch, {k})"
         half = "map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)"
     own = search.loss is model_loss
     compute = "model(**micro).loss" if own else "loss_fn(model, micro)  # the loss given to plan()"
@@ -111,20 +117,5 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str, module: str, cls: t
         lines.append("    micro = batch")
     if c.precision == "half":
         lines.append(f"{ind}micro = {half}")
-    ctx = []
-    if c.precision in ("bf16", "fp16"):
-        ctx.append(f"torch.autocast({dev!r}, dtype=torch.{'bfloat16' if c.precision == 'bf16' else 'float16'})")
-    if c.offload:
-        ctx.append(f"torch.autograd.graph.save_on_cpu(pin_memory={dev == 'cuda'})")
     body = f"loss = {compute}" if k == 1 else f"loss = {compute.split('  #')[0]} / {k}"
-    if ctx:
-        lines += [f"{ind}with {', '.join(ctx)}:", f"{ind}    {body}"]
-    else:
-        lines.append(f"{ind}{body}")
-    lines.append(f"{ind}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
-    lines += ["    scaler.step(optimizer)", "    scaler.update()"] if c.precision == "fp16" else ["    optimizer.step()"]
-    if c.strategy != "single GPU":
-        lines.insert(1, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}: wrap the model and "
-                        f"optimizer as for the (inputs, targets) recipe; batch: this rank's share")
-    return lines
-
+    return lines + _step(c, dev, ind, [body])
