@@ -187,9 +187,8 @@ class FakeKernelCheck(TorchDispatchMode):
         flat_out, spec = tree_flatten(out)
         trusted = _trusted(func)
         if trusted and not has_known and func not in self._fix and (
-                self._size(tensors, flat_out) > self.limit
-                or (self._size(tensors, flat_out) > LOW_PRECISION_LIMIT
-                    and any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors))):
+                (size := self._size(tensors, flat_out)) > self.limit
+                or (size > LOW_PRECISION_LIMIT and any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors))):
             # Sizes from the meta function every backend shares: the real run would only look for an error. In
             # 16 bits it can cost much on a CPU without 16-bit arithmetic (a float16 product of 1024 x 2048 by
             # 2048 x 2048: 32 s here), and the step it checks is one planned for a GPU.

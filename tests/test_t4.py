@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
@@ -70,8 +69,9 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def case_00(s):  # the MLP whose parameters, gradients and Adam state the notebook measures
-    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=2)), digits(s["BATCH"])
+def mlp_case(depth=None):
+    """The notebook's MLP of WIDTH, at BATCH, ``depth`` layers deep (default: its DEPTH)."""
+    return lambda s: ((lambda: MLP(n_in=64, width=s["WIDTH"], depth=depth or s["DEPTH"])), digits(s["BATCH"]))
 
 
 def case_01(s):  # the three evaluations, the first with model.eval() alone: a forward that keeps its graph
@@ -86,14 +86,6 @@ def forward_with_graph(model, optimizer, batch):
     with torch.inference_mode():
         model(batch[0])
     del kept, out_no_grad
-
-
-def case_02(s):
-    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=3)), digits(s["BATCH"])
-
-
-def case_03(s):  # the whole batch in one step, the run accumulation is the remedy for
-    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
 
 
 def case_04(s):  # the deepest net, not checkpointed
@@ -115,12 +107,11 @@ def case_06(s):  # every part on the GPU: the embedding table, its gradient and 
     return (lambda: scope["BagModel"](cpu, cpu, s["BUCKETS"])), make_batch
 
 
-def case_10(s):
-    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BATCH"])
-
-
-CASES = {"00_where_memory_goes": case_00, "01_no_grad": case_01, "02_mixed_precision": case_02, "03_gradient_accumulation": case_03, "04_gradient_checkpointing": case_04,
-         "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06, "10_everyday_savings": case_10}
+CASES = {"00_where_memory_goes": mlp_case(2),   # the MLP whose parameters, gradients and Adam state it measures
+         "01_no_grad": case_01, "02_mixed_precision": mlp_case(3),
+         "03_gradient_accumulation": mlp_case(),     # the whole batch in one step, the run accumulation remedies
+         "04_gradient_checkpointing": case_04, "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06,
+         "10_everyday_savings": mlp_case()}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -138,8 +129,8 @@ def test_the_notebooks_gpu_sized_step_fits_a_t4_with_headroom(name, monkeypatch)
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
     """The same check, on notebook 03's batch eight times over: its activations alone are over 16 GB."""
     settings = gpu_settings("03_gradient_accumulation", monkeypatch)
-    p = predict(lambda: MLP(n_in=64, width=settings["WIDTH"], depth=settings["DEPTH"]), adam,
-                digits(8 * settings["BATCH"]), device="cuda")
+    make_model, make_batch = mlp_case()({**settings, "BATCH": 8 * settings["BATCH"]})
+    p = predict(make_model, adam, make_batch, device="cuda")
     assert p.reserved_peak + CONTEXT_ALLOWANCE > HEADROOM * T4_BYTES
 
 
