@@ -122,25 +122,34 @@ def checkpointing(model: nn.Module, plan: CheckpointPlan | None = None) -> Itera
             module.__dict__.pop("forward", None)
 
 
+def own_checkpointing_methods(model: nn.Module) -> tuple[str, str, str, str] | None:
+    """For a transformers model that checkpoints its layers itself (``supports_gradient_checkpointing``): the
+    names of its methods ``(enable, disable, keyword of enable's options, is-on property)``, as the installed
+    transformers spells them (``activation_checkpointing_*`` from 5.24, ``gradient_checkpointing_*`` before);
+    else None."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    for names in (("activation_checkpointing_enable", "activation_checkpointing_disable",
+                   "activation_checkpointing_kwargs", "is_activation_checkpointing"),
+                  ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "gradient_checkpointing_kwargs",
+                   "is_gradient_checkpointing")):
+        if callable(getattr(model, names[0], None)) and callable(getattr(model, names[1], None)):
+            return names
+    return None
+
+
 def _own_checkpointing(model: nn.Module):
-    """For a transformers model that checkpoints its layers itself (``supports_gradient_checkpointing``): a
-    context that turns its own checkpointing on and back off, as its users write it; else None.
+    """For a transformers model (``own_checkpointing_methods``): a context that turns its own checkpointing on and
+    back off, as its users write it; else None.
 
     Its own way matters: a transformers layer run through ``torch.utils.checkpoint`` by gpukit would update the
     model's key-value cache twice (forward and recomputation); the layer checkpointing itself leaves the cache
     out (transformers' ``GradientCheckpointingLayer``). A model whose checkpointing is already on is left as it
     is, and so is the hook that makes its input embeddings require gradients where turning it on added one."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
+    names = own_checkpointing_methods(model)
+    if names is None:
         return None
-    for enable, disable, kwargs, is_on in (
-            ("activation_checkpointing_enable", "activation_checkpointing_disable", "activation_checkpointing_kwargs",
-             "is_activation_checkpointing"),  # transformers 5.24 and later
-            ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "gradient_checkpointing_kwargs",
-             "is_gradient_checkpointing")):
-        if callable(getattr(model, enable, None)) and callable(getattr(model, disable, None)):
-            break
-    else:
-        return None
+    enable, disable, kwargs, is_on = names
 
     @contextlib.contextmanager
     def turned_on():
@@ -353,5 +362,5 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         optimizer.step()
 
 __all__ = ["Technique", "BASELINE", "CheckpointPlan", "checkpoint_plan", "checkpointing",
-           "half_with_float_batchnorm", "train_step", "micro_loss", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
+           "half_with_float_batchnorm", "own_checkpointing_methods", "train_step", "micro_loss", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
            "batch_size", "split_batch", "first_samples", "batch_device"]

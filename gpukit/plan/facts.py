@@ -13,7 +13,7 @@ from torch import nn
 from .._torch import FakeTensorMode
 from ..counter import round_up
 from ..factories import check_optimizer, fake_copy, real_tensors
-from ..step import batch_size, batch_tensors, checkpoint_plan
+from ..step import batch_size, batch_tensors, checkpoint_plan, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
 
@@ -102,15 +102,11 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
                     f"    checkpoint_sequential, {where}, {cp.segments}, use_reentrant=False)")
         else:
             code = ""
-        if cp.kind == "blocks" and getattr(model, "supports_gradient_checkpointing", False):
-            # A transformers model checkpoints the same blocks, each decoder or encoder layer, its own way:
-            # the recipe says it as its users write it (activation_checkpointing_enable from transformers 5.24,
-            # which deprecates gradient_checkpointing_enable).
-            for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
-                if callable(getattr(model, name, None)):
-                    kwargs = name.split("_enable")[0] + "_kwargs"
-                    code = f'model.{name}({kwargs}={{"use_reentrant": False}})  # {cp}'
-                    break
+        own = own_checkpointing_methods(model) if cp.kind == "blocks" else None
+        if own is not None:
+            # A transformers model checkpoints the same blocks, each decoder or encoder layer, its own way (the
+            # step uses it too, gpukit.step.checkpointing): the recipe says it as its users write it.
+            code = f'model.{own[0]}({own[2]}={{"use_reentrant": False}})  # {cp}'
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
                        mapping)
