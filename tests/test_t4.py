@@ -26,7 +26,8 @@ from gpukit.lessons.models import MLP, ConvNet
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 # A T4 has 16 GB of GDDR6; torch.cuda.get_device_properties(0).total_memory reports less, by driver and ECC:
-# 15,095 MiB on Colab, 14,930 MiB the least seen. The smallest is the card a lesson must fit.
+# 15,095 MiB is the figure Colab users report, 14,930 MiB the least reported. Neither was measured here (no GPU
+# has been lent to the project): the lower one is taken, the card a lesson must fit on.
 T4_BYTES = 14_930 * MiB
 HEADROOM = 0.9
 
