@@ -180,12 +180,36 @@ def _load_trackers() -> None:
             for handle in handles:
                 handle.remove()
 
+    class _NoHook:
+        def remove(self) -> None:
+            pass
+
     class MemTrackerThatLetsGo(MemTracker):
-        """PyTorch's MemTracker with a ModTracker that lets go (above)."""
+        """PyTorch's MemTracker with a ModTracker that lets go (above), and that tracks frozen parameters and
+        parameters stepped in backward.
+
+        MemTracker registers gradient hooks on every parameter of a module it enters
+        (``_track_module_params_and_buffers``); ``register_hook`` raises on a parameter that does not require a
+        gradient, the base weights of a LoRA model say. Such a parameter is marked as hooked already (with
+        handles that remove nothing), so it is still counted as a parameter and gets no gradient hook.
+        """
 
         def __init__(self) -> None:
             super().__init__()
             self._mod_tracker = ModTrackerThatLetsGo()
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+            # A gradient hook of its own that runs after one which stepped the parameter and freed its
+            # gradient (the optimizer step in backward, gpukit.bigmodel) is handed None: nothing to track.
+            if t is None:
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     class StepTracker(MemTrackerThatLetsGo):
         """MemTracker that accepts the model being run several times in one block (gpukit.roles).
