@@ -206,7 +206,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             # (trunc_normal_ redraws while any value is out of range) are made up: memory depends on shapes only.
             values = ValuesWhileBuilding()
             model = fake_model(make_model, values)
-        optimizer = make_optimizer(model.parameters())
+        with values:  # bitsandbytes' 8-bit optimizers compute their quantisation maps (.tolist()) when built
+            optimizer = make_optimizer(model.parameters())
         check_optimizer(optimizer)
         if kind == "cuda":
             use_cuda_optimizer_defaults(optimizer)

@@ -17,6 +17,7 @@ memory. Two slips would let a prediction reach the user's objects, which it must
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -138,16 +139,43 @@ class ValuesWhileBuilding(TorchDispatchMode):
             return self.MADE_UP[kind]
 
 
+@contextlib.contextmanager
+def swappable_fakes(mode: FakeTensorMode | None):
+    """Let ``nn.Module.to(dtype)`` convert a fake model's parameters (``model.to(torch.bfloat16)``).
+
+    ``nn.Module._apply`` replaces a fake parameter with ``torch.utils.swap_tensors`` (torch/nn/modules/
+    module.py: always for a ``FakeTensor``), which refuses a tensor that has weak references. The fake mode's
+    converter holds one to every tensor an op made (``FakeTensorConverter.from_meta_and_device`` memoises the
+    fake tensor by its meta tensor's id: torch/_subclasses/fake_tensor.py), so every parameter built from an
+    op's output (``nn.Parameter(t)`` detaches ``t``) cannot be swapped. A memo entry only saves converting
+    that meta tensor again, which never happens after the op: the entries of the two tensors swapped are
+    dropped first."""
+    if mode is None:
+        yield
+        return
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        ids = {id(t1), id(t2)}
+        for key in [key for key, value in list(memo.items()) if id(value) in ids]:
+            memo.pop(key, None)
+        return swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
 def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding | None = None) -> nn.Module:
     """``make_model()`` under the fake mode in force; where that returns a model holding real tensors (one that
     already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself.
     ``values``: a ``ValuesWhileBuilding`` to build under, for initialisers that read values."""
-    if values is not None:
-        with values:
-            model = make_model()
-    else:
-        model = make_model()
     mode = active_fake_mode()
+    with swappable_fakes(mode), (values if values is not None else contextlib.nullcontext()):
+        model = make_model()
     if mode is None or not isinstance(model, nn.Module) or not real_tensors(model):
         return model
     return fake_copy(model, mode)
