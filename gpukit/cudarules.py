@@ -94,6 +94,10 @@ def cublaslt_workspace_bytes(sm90: bool = True) -> int:
 def use_cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> bool:
     """Set ``foreach=True`` in every parameter group that left both ``foreach`` and ``fused`` unset (and is not
     differentiable), as CUDA parameters get by default; returns whether any group changed."""
+    from .bigmodel import OptimizerInBackward
+
+    if isinstance(optimizer, OptimizerInBackward):  # the per-parameter optimizers do the steps
+        return any([use_cuda_optimizer_defaults(inner) for inner in optimizer.optimizers.values()])
     changed = False
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") \

@@ -1,0 +1,177 @@
+"""What fits a big model on one GPU, on a small Llama: LoRA (peft), 8-bit optimizer state (bitsandbytes), bfloat16
+weights, the optimizer step in backward. Each step is measured by gpukit and by PyTorch's MemTracker, and
+predicted on fake tensors. Device: cpu (the exact counter; fake tensors for the predictions), no GPU needed."""
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.bigmodel import OptimizerInBackward
+from gpukit.estimate import predict, state_bytes
+from gpukit.roles import memtracker_peak
+from gpukit.step import Technique, train_step
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning:transformers.*")
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def lora(base=llama):
+    return peft.get_peft_model(base(), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+
+def text_batch(n=8, length=32):
+    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[::2, -8:] = 0  # padded, as a tokenizer pads: the prediction builds the same masks (test_transformers)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def hf_step(model, optimizer, batch):
+    train_step(model, optimizer, batch, loss="model")
+
+
+def adamw(params):
+    return torch.optim.AdamW(params)
+
+
+def trained(params):
+    return [p for p in params if p.requires_grad]
+
+
+CASES = {
+    "lora": (lora, lambda p: adamw(trained(p))),
+    "lora, bf16 base": (lambda: lora(lambda: llama().to(torch.bfloat16)), lambda p: adamw(trained(p))),
+    "8-bit AdamW": (llama, lambda p: bnb.optim.AdamW8bit(p, min_8bit_size=1)),
+    "bf16 weights": (lambda: llama().to(torch.bfloat16), adamw),
+    "optimizer in backward": (llama, lambda p: OptimizerInBackward(p, adamw)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_technique_is_measured_as_memtracker_measures_it_and_predicted_to_the_byte(case):
+    make_model, make_optimizer = CASES[case]
+    model, batch = make_model(), text_batch()
+    optimizer = make_optimizer(model.parameters())
+    hf_step(model, optimizer, batch)  # gradients (where they outlive the step) and optimizer state exist
+    with gpukit.measure("cpu", record=False) as measured:
+        hf_step(model, optimizer, batch)
+    reference = memtracker_peak(lambda: hf_step(model, optimizer, batch), model, optimizer, batch)
+    assert measured.peak_unrounded == reference
+    predicted = predict(make_model, make_optimizer, text_batch, hf_step)
+    assert predicted.step_peak == measured.peak and predicted.before_step == state_bytes(model, optimizer, batch)[0]
+    assert not predicted.lower_bound
+    assert torch.utils.swap_tensors.__module__ == "torch.utils"  # model.to(dtype) under fake tensors: put back
+
+
+def test_8bit_state_is_two_bytes_a_parameter_plus_a_float_per_block_of_256_and_the_two_maps():
+    """bitsandbytes' blockwise 8-bit Adam (optimizer.py, Optimizer2State.init_state): state1 and state2 uint8 like
+    the parameter, absmax1 and absmax2 one float32 per block of 256 values, and the two 256-entry float32
+    quantisation maps; plus the step count, a Python int. AdamW keeps two float32 moments: 8 bytes a parameter."""
+    model = llama()
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), min_8bit_size=1)
+    hf_step(model, optimizer, text_batch())
+    seen, held = set(), 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                held += t.untyped_storage().nbytes()
+    n = [p.numel() for p in model.parameters()]
+    blocks = sum(-(-k // 256) for k in n)
+    maps = held - 2 * sum(n) - 2 * 4 * blocks
+    assert maps % (2 * 256 * 4) == 0 and 0 < maps <= len(n) * 2 * 256 * 4  # shared or per parameter, whole maps
+    assert held < 8 * sum(n) / 3  # against AdamW's 8 bytes a parameter
+
+
+def test_the_step_in_backward_is_adamws_own_update_and_frees_every_gradient():
+    batch = text_batch()
+    fused, plain = llama(), llama()
+    in_backward = OptimizerInBackward(fused.parameters(), adamw)
+    reference = adamw(plain.parameters())
+    for _ in range(2):
+        hf_step(fused, in_backward, batch)
+        hf_step(plain, reference, batch)
+    assert all(p.grad is None for p in fused.parameters())
+    # one parameter at a time, in the order backward completes them: the same float32 arithmetic per element
+    assert all(torch.equal(a, b) for a, b in zip(fused.parameters(), plain.parameters()))
+    assert set(in_backward.state) == set(fused.parameters()) and in_backward.state[fused.lm_head.weight]["step"] == 2
+    in_backward.remove()  # no hooks: backward leaves gradients and steps nothing
+    before = [p.detach().clone() for p in fused.parameters()]
+    fused(**batch).loss.backward()
+    assert all(p.grad is not None for p in fused.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, fused.parameters()))
+
+
+def test_the_step_in_backward_frees_the_gradients_share_of_the_peak():
+    """With a batch so small that the optimizer step is the peak (as for a big model): the plain step holds every
+    gradient, as large as the weights, while AdamW steps; in backward at most the gradients of the parameters
+    being worked on exist. The saving is at least the weights less the two largest parameters' gradients."""
+    batch, peaks = text_batch(n=1, length=4), []
+    for make in (adamw, lambda p: OptimizerInBackward(p, adamw)):
+        model = llama()
+        optimizer = make(model.parameters())
+        hf_step(model, optimizer, batch)
+        with gpukit.measure("cpu", record=False) as report:
+            hf_step(model, optimizer, batch)
+        peaks.append(report.peak_abs)
+    weights = [p.numel() * p.element_size() for p in llama().parameters()]
+    assert peaks[0] - peaks[1] >= sum(weights) - 2 * max(weights)
+
+
+def test_the_step_in_backward_refuses_what_it_cannot_do():
+    model = llama()
+    with pytest.raises(TypeError, match="builds one optimizer"):
+        OptimizerInBackward(model.parameters(), adamw(model.parameters()))
+    frozen = llama().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter requires a gradient"):
+        OptimizerInBackward(frozen.parameters(), adamw)
+    optimizer = OptimizerInBackward(model.parameters(), adamw)
+    with pytest.raises(ValueError, match="closure"):
+        optimizer.step(lambda: 0.0)
+    optimizer.remove()
+
+
+def test_a_plain_model_converted_to_bfloat16_in_its_factory_is_predicted():
+    """nn.Module.to(dtype) swaps each fake parameter (torch.utils.swap_tensors), refused while the fake mode's
+    converter holds a weak reference to it: the prediction lets it through, and measures what a real run does."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).to(
+            torch.bfloat16)
+
+    def batch():
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(32, 64, generator=g).to(torch.bfloat16), torch.randint(0, 10, (32,), generator=g)
+
+    model, data = make(), batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, optimizer, data, Technique())
+    with gpukit.measure("cpu", record=False) as measured:
+        train_step(model, optimizer, data, Technique())
+    predicted = predict(make, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batch)
+    assert predicted.step_peak == measured.peak and predicted.before_step == state_bytes(model, optimizer, data)[0]
+
+
+def test_a_model_trained_in_backward_is_freed_with_its_optimizer():
+    """The parameters' hooks live on their C++ side, out of the collector's sight: a hook that held the optimizer
+    would keep the model, its gradients and its optimizer state alive for ever."""
+    import gc
+    import weakref
+
+    model = llama()
+    optimizer = OptimizerInBackward(model.parameters(), adamw)
+    hf_step(model, optimizer, text_batch())
+    weight, state = weakref.ref(model.lm_head.weight), weakref.ref(optimizer.state[model.lm_head.weight]["exp_avg"])
+    del model, optimizer
+    gc.collect()
+    assert weight() is None and state() is None
