@@ -3,12 +3,13 @@ asks for exactly what it imports (offline, no device).
 
 pip keeps an installed distribution whose version meets every requirement on it, so when each requirement of
 `gpukit[lessons]` that applies on Colab's Python is met by the version Colab has, `pip install gpukit[lessons]`
-there installs gpukit alone. Replacing Colab's ipython or ipykernel would break its runtime."""
+there installs gpukit and, beside it, only what the images lack (ADDED), whose own requirements Colab meets.
+Replacing Colab's ipython or ipykernel would break its runtime."""
 
 import ast
 import re
 import sys
-from importlib.metadata import packages_distributions
+from importlib.metadata import packages_distributions, requires
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,26 @@ def unmet(requirements, pins):
     return bad
 
 
+# What gpukit[lessons] asks for that neither image has any version of (bitsandbytes: AdamW8bit, on a CPU from 0.50):
+# pip installs it beside what is there, which replaces nothing while the image meets its own requirements. Once an
+# image has it, it is checked as any other: its floor must then be at most the image's version.
+ADDED = {"bitsandbytes"}
+
+
+def replaced(requirements, pins, python, requires_of=requires):
+    """What `pip install` of these requirements would replace in an image with these pins: unmet() for what the
+    image has, and for what it lacks and ADDED names, unmet() of that distribution's own requirements (the
+    locked version's, installed here: `requires_of`). What the image lacks and ADDED does not name is refused."""
+    bad = []
+    for req in requirements:
+        name = canonicalize_name(req.name)
+        if name in pins or name not in ADDED:
+            bad += unmet([req], pins)
+        else:
+            bad += [f"{req.name}: {b}" for b in unmet(applying(requires_of(req.name) or [], python), pins)]
+    return bad
+
+
 def test_the_colab_constraints_name_their_source_and_pin_a_python_gpukit_allows():
     text = COLAB.read_text()
     assert "github.com/googlecolab/backend-info" in text and re.search(r"\d{4}-\d{2}-\d{2}", text)
@@ -77,7 +98,8 @@ def test_gpukit_with_the_lessons_extra_installs_into_colab_and_replaces_nothing(
     meta = project()
     wanted = applying(meta["dependencies"] + meta["optional-dependencies"]["lessons"], python)
     assert wanted
-    assert unmet(wanted, pins) == []
+    assert replaced(wanted, pins, python) == []
+    assert ADDED <= {canonicalize_name(r.name) for r in wanted}, "ADDED names only what gpukit[lessons] asks for"
 
 
 def test_the_check_itself_sees_a_floor_above_colab():
@@ -90,16 +112,26 @@ def test_the_check_itself_sees_a_floor_above_colab():
         "numpy<3,>=2.2 (the image has 2.1.3)", "jupyterlab<5,>=4.6 (the image has nothing)"]
 
 
+def test_the_check_itself_sees_an_added_package_that_would_replace_what_the_image_has():
+    """An ADDED package is looked into: its own requirements must hold on the image's versions, as a floor would;
+    and a package the image lacks and ADDED does not name is refused."""
+    python, pins = colab()
+    own = {"bitsandbytes": ["torch>=2.12", "numpy>=1.17", "pytest; extra == 'test'"]}.get
+    assert replaced(applying(["bitsandbytes>=0.50", "peft>=0.30", "trl>=0.1"], python), pins, python, own) == [
+        "bitsandbytes: torch>=2.12 (the image has 2.11.0)", "peft>=0.30 (the image has 0.20.0)",
+        "trl>=0.1 (the image has nothing)"]
+
+
 def test_gpukit_with_the_lessons_extra_installs_into_kaggle_and_replaces_nothing():
     """Kaggle's GPU image (constraints-kaggle.txt, derived from its build files) is a Colab image of May 2026:
     Python 3.12, torch 2.10, numpy 2.0.2, pandas 2.2.2, transformers 5.0. Those are gpukit's floors (its unit
-    tests and notebooks passed with them, CONTRIBUTING.md): pip installs gpukit alone there too."""
+    tests and notebooks passed with them, CONTRIBUTING.md): pip installs gpukit there too, and ADDED beside it."""
     kaggle = ROOT / "constraints-kaggle.txt"
     python, pins = colab(kaggle)
     assert python.startswith("3.12.") and "github.com/Kaggle/docker-python" in kaggle.read_text()
     meta = project()
     wanted = applying(meta["dependencies"] + meta["optional-dependencies"]["lessons"], python)
-    assert unmet(wanted, pins) == []
+    assert replaced(wanted, pins, python) == []
 
 
 def imported_modules():
