@@ -44,6 +44,7 @@ class Technique:
     checkpointed: bool = False       # keep segment boundaries only; recompute the rest in backward
     half: bool = False               # model.half(), BatchNorm back in float32 (``half_with_float_batchnorm``)
     offload: bool = False            # tensors saved for backward go to the host (save_on_cpu)
+    cast: torch.dtype | None = None  # floating-point inputs cast to this type: a model whose weights are in it
 
     def __post_init__(self) -> None:
         if self.amp not in (None, torch.float16, torch.bfloat16):
@@ -302,14 +303,15 @@ def micro_loss(model: nn.Module, micro: Any, technique: Technique, loss=None) ->
     the micro-batch as the forward took it)``. ``loss``: None, for ``(inputs, targets)`` and cross-entropy, or a
     function from ``resolve_loss``. The caller keeps the output until backward has run, as a training loop does."""
     t = technique
+    cast = torch.float16 if t.half else t.cast
     if loss is None:
         xs, ys = micro
-        if t.half and xs.is_floating_point():
-            xs = xs.half()
+        if cast is not None and xs.is_floating_point():
+            xs = xs.to(cast)
         micro, device = (xs, ys), xs.device
     else:
-        if t.half:
-            micro = map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)
+        if cast is not None:
+            micro = map_tensors(lambda v: v.to(cast) if v.is_floating_point() else v, micro)
         device = batch_device(micro)
     amp = torch.autocast(device.type, dtype=t.amp) if t.amp else contextlib.nullcontext()
     offload = (torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if t.offload
@@ -337,7 +339,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     ``BatchEncoding``, nested). Accumulation then cuts every tensor of the batch along its first dimension.
     A float16 ``technique.amp`` needs ``scaler``, a ``torch.amp.GradScaler`` kept across steps
     (its scale adapts from step to step); other techniques need none. ``technique.half`` expects a model
-    already made half (``half_with_float_batchnorm``); floating-point inputs are cast to float16 here.
+    already made half (``half_with_float_batchnorm``); floating-point inputs are cast to float16 here, and to
+    ``technique.cast`` for a model whose weights are in that type (``model.to(torch.bfloat16)``).
     Returns nothing: a returned loss would keep its memory alive (call ``loss.item()`` in your own loop).
     """
     t = technique

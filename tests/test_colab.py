@@ -154,7 +154,14 @@ def test_the_library_declares_exactly_the_distributions_it_imports():
     unknown = {m for m in imported_modules() if m not in dists}
     assert unknown == set(), f"imported but installed by no distribution here: {unknown}"
     declared = {canonicalize_name(Requirement(r).name) for r in project()["dependencies"]}
-    assert imported == declared
+    assert imported - OPTIONAL == declared
+    lessons = {canonicalize_name(Requirement(r).name) for r in project()["optional-dependencies"]["lessons"]}
+    assert OPTIONAL <= imported & lessons  # each imported, and installed with the lessons
+
+
+# Imported only where installed (importlib.util.find_spec first), for what plan() tries with them: LoRA adapters
+# (gpukit/plan/steps.py) and 8-bit optimizer state (gpukit/plan/facts.py). The lessons' extra installs them.
+OPTIONAL = {"peft", "bitsandbytes"}
 
 
 from test_kit import kit  # noqa: E402  (kit.py, loaded as a module)

@@ -143,7 +143,7 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
 
     monkeypatch.setattr(planning, "run_candidate", run_with_a_stand_in_clock)
     kwargs = dict(budget=limit, precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False,
-                  alternatives=3)
+                  alternatives=3, lora=False)  # (LoRA trains another model: it would rank after these)
     estimated = plan(*case, device=DEVICE, verify=False, **kwargs)
     fitting = [r.candidate for r in estimated.rows if r.fits and r.need is not None]  # predicted, not dominated
     assert len(fitting) >= 2 and len({r.numerics for r in estimated.rows if r.candidate in fitting}) == 1
@@ -156,7 +156,7 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
     assert p.choice.candidate == fitting[-1] and p.verification.fitted
 
     cuda = plan(*case, device="cuda", budget=limit + estimated.allowance + 2**30, precisions=("float32", "bf16"),
-                accumulate=[1, 2], implementations=False, alternatives=3)
+                accumulate=[1, 2], implementations=False, alternatives=3, lora=False)
     timed = [r for r in cuda.rows if r.fits and r.need is not None]
     assert all(r.measured_on == "cpu" for r in timed)  # timed here, on the CPU...
     assert [r.slowdown for r in timed] == sorted(r.slowdown for r in timed)  # ...ranked by the estimates

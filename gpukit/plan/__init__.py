@@ -70,7 +70,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
          offload: bool = True, strategies: tuple[str, ...] | None = None, allowance: int | str | None = None,
          tflops: float = 100.0, memory_bandwidth: int | str = "2TB", host_bandwidth: int | str = "16GB",
          alternatives: int = 2, verify: bool = True,
-         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None) -> Plan:
+         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True) -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
@@ -84,10 +84,14 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             (allocated memory, what ``gpukit.budget`` caps on a CPU).
         gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
         optimizers: other optimizers you allow, ``{"SGD momentum": lambda p: torch.optim.SGD(p, 0.1, 0.9)}``.
-        implementations: also try the optimizer's for-loop and fused steps (``foreach=False``, ``fused=True``).
-        precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (with a GradScaler) and ``"half"`` (``model.half()``
-            with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's eps of 1e-8 is 0
-            in float16).
+        implementations: also try the optimizer's for-loop and fused steps (``foreach=False``, ``fused=True``),
+            an Adam or AdamW with 8-bit moments (bitsandbytes' ``Adam8bit``, ``AdamW8bit``, where installed), and
+            the optimizer step fused into backward (``gpukit.bigmodel.OptimizerInBackward``: no accumulation, no
+            GradScaler, one GPU).
+        precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (autocast; float16 with a GradScaler), ``"half"``
+            (``model.half()`` with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's
+            eps of 1e-8 is 0 in float16) and ``"bf16 weights"`` (``model.to(torch.bfloat16)``: weights, gradients
+            and optimizer state in bfloat16, no float32 copy).
         accumulate: micro-batch counts to try (default: the powers of two that divide the batch per GPU).
         checkpointing, offload: try activation checkpointing (``gpukit.step.checkpoint_plan``), and saved tensors
             sent to the host (CUDA plans only: on a CPU the host is the device).
@@ -103,6 +107,9 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             ``model(inputs)`` against ``targets``; ``"model"``, the model computes it (``model(**batch).loss``: a
             transformers model with ``labels`` in the batch, no wrapper); or ``loss(model, batch)``. Accumulation
             cuts every tensor of the batch along its first dimension.
+        lora: also try training LoRA adapters instead of the model (peft, where installed: rank 16 on every
+            ``nn.Linear`` but the output layer, the weights frozen). A different model is trained: such a recipe
+            ranks after every one that trains the model itself, on one GPU only.
 
     Returns:
         A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
@@ -148,7 +155,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
-                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives)
+                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora)
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):

@@ -13,20 +13,25 @@ from ..estimate import Prediction
 from ..report import format_bytes, parse_bytes
 from ..step import Technique
 
-PRECISIONS = ("float32", "bf16", "fp16", "half")
+PRECISIONS = ("float32", "bf16", "fp16", "half", "bf16 weights")
 STRATEGIES = ("single GPU", "DDP", "ZeRO-1", "FSDP")
 # What changes numerically, from least to most; the tolerance is on |g - g_plain| / |g_plain| for the gradients
 # of one step, 16 units of roundoff of the arithmetic that changed (None: not comparable with the plain step).
 SAME, ROUNDING, STATISTICS, TRAINING = 0, 1, 2, 3
 NUMERICS_NAMES = {SAME: "same gradient", ROUNDING: "rounding-level", STATISTICS: "changed statistics",
                   TRAINING: "changed training"}
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "half": 2.0 ** -11}
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "half": 2.0 ** -11,
+                 "bf16 weights": 2.0 ** -8}
+# What the parameters are stored in, by precision (autocast keeps them in float32).
+WEIGHTS = {"float32": torch.float32, "bf16": torch.float32, "fp16": torch.float32, "half": torch.float16,
+           "bf16 weights": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One way to run the step: the optimizer (a label of ``Plan.optimizers``), precision, micro-batches,
-    checkpointing, offload and, with several GPUs, the parallelism."""
+    checkpointing, offload, LoRA adapters in place of the full model's training and, with several GPUs, the
+    parallelism."""
 
     optimizer: str
     precision: str = "float32"
@@ -34,21 +39,25 @@ class Candidate:
     checkpointed: bool = False
     offload: bool = False
     strategy: str = "single GPU"
+    lora: bool = False
 
     @property
-    def group(self) -> tuple[str, str, str]:
-        return self.optimizer, self.precision, self.strategy
+    def group(self) -> tuple[str, str, str, bool]:
+        return self.optimizer, self.precision, self.strategy, self.lora
 
     def technique(self, accumulate: int | None = None) -> Technique:
         """The ``gpukit.step.Technique`` of this candidate (offload is left to the caller: see ``_offload``)."""
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         return Technique(self.label, amp=amp, accumulate=accumulate or self.accumulate,
-                         checkpointed=self.checkpointed, half=self.precision == "half")
+                         checkpointed=self.checkpointed, half=self.precision == "half",
+                         cast=torch.bfloat16 if self.precision == "bf16 weights" else None)
 
     @property
     def label(self) -> str:
         parts = {"float32": [], "bf16": ["AMP bf16"], "fp16": ["AMP fp16 + GradScaler"],
-                 "half": ["half(), BatchNorm float32"]}[self.precision][:]
+                 "half": ["half(), BatchNorm float32"], "bf16 weights": ["bf16 weights"]}[self.precision][:]
+        if self.lora:
+            parts.insert(0, "LoRA")
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         if self.checkpointed:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
@@ -11,8 +13,9 @@ import torch
 from torch import nn
 
 from .._torch import FakeTensorMode
+from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
-from ..factories import check_optimizer, fake_copy, real_tensors
+from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
 from ..step import batch_size, batch_tensors, checkpoint_plan, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
@@ -31,9 +34,34 @@ class _ModelFacts:
     largest_block_bytes: int  # float32 parameter bytes of the largest checkpoint block (FSDP's unit)
     existing_model: bool = False  # make_model() returns a model that already exists (real tensors under fake mode)
     batch_mapping: bool = False  # the batch is a mapping of tensors (a dict, a BatchEncoding): keyword arguments
+    lora_targets: tuple[str, ...] = ()  # the modules LoRA would adapt (steps.lora_targets); none: no LoRA candidate
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
+
+
+LORA_RANK = 16  # the adapters' rank: peft's examples use 8 to 64; the memory it adds is small at any of them
+
+
+def lora_targets(model: nn.Module) -> list[str]:
+    """The modules LoRA adapts, as ``peft.LoraConfig(target_modules=...)`` takes them (a name matches every
+    module whose name ends with it): each ``nn.Linear`` but the output layer (``get_output_embeddings()`` for a
+    transformers model, else the last ``nn.Linear``), which stays trained whole in no LoRA recipe. By the last part
+    of their names (``q_proj``) where that names no other module, else by their full names (``mlp.0``)."""
+    modules = list(model.named_modules())
+    linears = [(name, m) for name, m in modules if isinstance(m, nn.Linear)]
+    if not linears:
+        return []
+    output = getattr(model, "get_output_embeddings", lambda: None)() or linears[-1][1]
+    targets = set()
+    for name, m in linears:
+        if m is output:
+            continue
+        last = name.rsplit(".", 1)[-1]
+        alike = [other for n, other in modules if n.rsplit(".", 1)[-1] == last]
+        only_these = all(isinstance(o, nn.Linear) and o is not output for o in alike)
+        targets.add(last if only_these else name)
+    return sorted(targets)
 
 
 def _qualified_names(model: nn.Module) -> dict[nn.Module, str]:
@@ -108,8 +136,9 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
             # step uses it too, gpukit.step.checkpointing): the recipe says it as its users write it.
             code = f'model.{own[0]}({own[2]}={{"use_reentrant": False}})  # {cp}'
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
+    targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
-                       mapping)
+                       mapping, targets)
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------
@@ -118,8 +147,7 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
 def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str]]:
     """The other implementations of an optimizer's step (for-loop, fused) that its class offers and the device
     does not already use: ``(label, make_optimizer, note)``."""
-    with FakeTensorMode():
-        probe = make_optimizer([nn.Parameter(torch.zeros(2))])
+    probe = probe_optimizer(make_optimizer)
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
     group = probe.param_groups[0]
@@ -147,10 +175,63 @@ def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str,
     return [(name, variant(changes), note) for name, changes, note in found]
 
 
-def _optimizer_name(make_optimizer) -> str:
-    with FakeTensorMode():
+def probe_optimizer(make_optimizer) -> torch.optim.Optimizer:
+    """The optimizer ``make_optimizer`` builds, over one fake parameter (values it reads when built, as
+    bitsandbytes' quantisation maps, made up: ``ValuesWhileBuilding``); for the step in backward, the optimizer
+    of one parameter. Raises as ``check_optimizer`` for one that already exists."""
+    with FakeTensorMode(), ValuesWhileBuilding():
         opt = make_optimizer([nn.Parameter(torch.zeros(2))])
-        check_optimizer(opt)  # one that already exists would be stepped by every prediction: refused first
+        check_optimizer(opt)
+    return next(iter(opt.optimizers.values())) if isinstance(opt, OptimizerInBackward) else opt
+
+
+def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
+    """bitsandbytes' 8-bit version of a torch.optim Adam or AdamW (its moments stored block-wise in 8 bits), with
+    the same hyperparameters: ``(label, make_optimizer, note)``; None where bitsandbytes is not installed, or the
+    optimizer is another or uses an option the 8-bit one lacks (amsgrad, maximize, a tensor lr)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    probe = probe_optimizer(make_optimizer)
+    if type(probe) not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    d = probe.defaults
+    if d.get("amsgrad") or d.get("maximize") or isinstance(d.get("lr"), torch.Tensor) or \
+            any(len(g["params"]) and g.get("lr") != d.get("lr") for g in probe.param_groups[1:]):
+        return None
+    name = f"{type(probe).__name__}8bit"
+    kwargs = {"lr": d["lr"], "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"]}
+
+    def make(params):
+        return getattr(_bnb_optim(), name)(params, **kwargs)
+
+    make.recipe = ("import bitsandbytes as bnb", f"bnb.optim.{name}(model.parameters(), "
+                   + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")")
+    return f"{name} (bitsandbytes)", make, "8-bit moments, block-wise (bitsandbytes)"
+
+
+def _bnb_optim():
+    """``bitsandbytes.optim``, imported without the warning its CPU backend logs where an optional kernel package
+    is missing (it concerns 4-bit matrix products, which no plan uses)."""
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.optim
+    finally:
+        log.setLevel(level)
+    return bitsandbytes.optim
+
+
+def _in_backward(make_optimizer) -> Callable:
+    """The optimizer's step fused into backward (``gpukit.bigmodel.OptimizerInBackward``): one per parameter."""
+    def make(params):
+        return OptimizerInBackward(params, make_optimizer)
+
+    return make
+
+
+def _optimizer_name(make_optimizer) -> str:
+    opt = probe_optimizer(make_optimizer)  # one that already exists is refused first: predictions would step it
     name = type(opt).__name__
     if isinstance(opt, torch.optim.SGD):
         name += f"(momentum={opt.defaults.get('momentum', 0)})"
@@ -159,6 +240,4 @@ def _optimizer_name(make_optimizer) -> str:
 
 def _adam_like(make_optimizer) -> bool:
     """Optimizers with a second moment and an eps (Adam, AdamW, RMSprop...): unsafe with float16 weights."""
-    with FakeTensorMode():
-        opt = make_optimizer([nn.Parameter(torch.zeros(2))])
-    return "eps" in opt.defaults
+    return "eps" in probe_optimizer(make_optimizer).defaults

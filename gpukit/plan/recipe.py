@@ -5,40 +5,61 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch import nn
 
-from .._torch import FakeTensorMode
 from ..step import model_loss
 from .candidates import Candidate
+from .facts import LORA_RANK, probe_optimizer
 from .search import _Search
 
 # -- the recipe as code ------------------------------------------------------------------------------------------
 
 
-def recipe_code(c: Candidate, search: _Search, device: str) -> str:
-    """The candidate as plain PyTorch: setup lines, then the loop body."""
-    make, note, _ = search.optimizers[c.optimizer]
-    with FakeTensorMode():
-        opt = make([nn.Parameter(torch.zeros(2))])
+def _optimizer_expression(make, params: str) -> tuple[list[str], str, str]:
+    """``(imports, the expression that builds the optimizer over params, its class name)``."""
+    recipe = getattr(make, "recipe", None)  # bitsandbytes' 8-bit optimizer (facts._eight_bit)
+    if recipe is not None:
+        imports, expression = recipe
+        return [imports], expression.replace("model.parameters()", params), expression.split("(")[0]
+    opt = probe_optimizer(make)
     cls = type(opt)
-    defaults = {k: v for k, v in opt.defaults.items()}
     accepted = inspect.signature(cls.__init__).parameters
     args = []
-    for k, v in defaults.items():
+    for k, v in opt.defaults.items():
         if k in accepted and k != "params" and accepted[k].default is not inspect.Parameter.empty \
                 and v != accepted[k].default and not (k == "lr" and isinstance(v, torch.Tensor)):
             args.append(f"{k}={v!r}")
-    module = "torch.optim"
+    return [], f"torch.optim.{cls.__name__}({params}{''.join(', ' + a for a in args)})", f"torch.optim.{cls.__name__}"
+
+
+def recipe_code(c: Candidate, search: _Search, device: str) -> str:
+    """The candidate as plain PyTorch: setup lines, then the loop body."""
+    label = c.optimizer.removesuffix(", in backward")
+    in_backward = label != c.optimizer
+    imports, expression, cls_name = _optimizer_expression(search.optimizers[label][0],
+                                                          "p" if in_backward else "model.parameters()")
     dev = device
     lines = ["import functools", "import torch", "import torch.nn.functional as F",
-             "from torch.utils.checkpoint import checkpoint, checkpoint_sequential", "",
-             f"model = make_model().to({dev!r})"]
+             "from torch.utils.checkpoint import checkpoint, checkpoint_sequential", *imports]
+    if in_backward:
+        lines.append("from gpukit.bigmodel import OptimizerInBackward  # PyTorch's recipe: step in a grad hook")
+    if c.lora:
+        lines.append("from peft import LoraConfig, get_peft_model")
+    lines += ["", f"model = make_model().to({dev!r})"]
     if c.precision == "half":
         lines += ["model.half()  # float16 weights; BatchNorm back to float32 (its running statistics overflow)",
                   "for m in model.modules():",
                   "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
                   "        m.float()"]
-    lines.append(f"optimizer = {module}.{cls.__name__}(model.parameters(){''.join(', ' + a for a in args)})")
+    if c.precision == "bf16 weights":
+        lines.append("model = model.to(torch.bfloat16)  # weights, gradients and optimizer state in bfloat16")
+    if c.lora:
+        lines.append(f"model = get_peft_model(model, LoraConfig(r={LORA_RANK}, lora_alpha={2 * LORA_RANK}, "
+                     f"target_modules={list(search.facts.lora_targets)!r}))  # the weights frozen")
+    if in_backward:
+        lines.append(f"optimizer = OptimizerInBackward(model.parameters(), lambda p: {expression})"
+                     "  # its step() does nothing")
+    else:
+        lines.append(f"optimizer = {expression}")
     if c.precision == "fp16":
         lines.append(f"scaler = torch.amp.GradScaler({dev!r})")
     if c.checkpointed:
@@ -48,10 +69,10 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         wrap = {"DDP": "model = torch.nn.parallel.DistributedDataParallel(model)  # after .to(device), before the "
                        "optimizer",
                 "ZeRO-1": "optimizer = torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
-                          f"optimizer_class={module}.{cls.__name__})  # with DDP as above",
+                          f"optimizer_class={cls_name})  # with DDP as above",
                 "FSDP": "for block in blocks: fully_shard(block); fully_shard(model)  "
                         "# torch.distributed.fsdp, before the optimizer"}[c.strategy]
-        lines.insert(5, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; each batch: this "
+        lines.insert(lines.index("") + 1, f"# {c.strategy}, launched with torchrun --nproc-per-node={search.gpus}; each batch: this "
                         f"rank's share (DistributedSampler)\n# {wrap}")
     return "\n".join(lines)
 
@@ -60,8 +81,9 @@ def _loop(c: Candidate, search: _Search, dev: str) -> list[str]:
     """The training loop for the plain step's ``(inputs, targets)`` batches and cross-entropy."""
     k = c.accumulate
     lines = ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
-    if c.precision == "half":
-        lines.append("    x = x.half() if x.is_floating_point() else x")
+    if c.precision in ("half", "bf16 weights"):
+        cast = "half()" if c.precision == "half" else "bfloat16()"
+        lines.append(f"    x = x.{cast} if x.is_floating_point() else x")
     lines.append("    optimizer.zero_grad(set_to_none=True)")
     ind = "    "
     if k > 1:
@@ -97,11 +119,11 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
     if mapping:
         move = f"    batch = {{name: value.to({dev!r}) for name, value in batch.items()}}"
         split = (f"[dict(zip(batch, parts)) for parts in zip(*(value.chunk({k}) for value in batch.values()))]")
-        half = "{name: v.half() if v.is_floating_point() else v for name, v in micro.items()}"
+        half = "{name: v.CAST if v.is_floating_point() else v for name, v in micro.items()}"
     else:
         move = f"    batch = map_tensors(lambda value: value.to({dev!r}), batch)"
         split = f"split_batch(batch, {k})"
-        half = "map_tensors(lambda v: v.half() if v.is_floating_point() else v, micro)"
+        half = "map_tensors(lambda v: v.CAST if v.is_floating_point() else v, micro)"
     own = search.loss is model_loss
     compute = "model(**micro).loss" if own else "loss_fn(model, micro)  # the loss given to plan()"
     if c.checkpointed and not search.facts.checkpoint_code:
@@ -115,7 +137,7 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
         ind = "        "
     else:
         lines.append("    micro = batch")
-    if c.precision == "half":
-        lines.append(f"{ind}micro = {half}")
+    if c.precision in ("half", "bf16 weights"):
+        lines.append(f"{ind}micro = " + half.replace("CAST", "half()" if c.precision == "half" else "bfloat16()"))
     body = f"loss = {compute}" if k == 1 else f"loss = {compute.split('  #')[0]} / {k}"
     return lines + _step(c, dev, ind, [body])

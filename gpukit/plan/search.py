@@ -21,10 +21,11 @@ from .candidates import (
     STRATEGIES,
     TRAINING,
     UNIT_ROUNDOFF,
+    WEIGHTS,
     Candidate,
     Row,
 )
-from .facts import _adam_like, _implementations, _model_facts, _optimizer_name
+from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
 from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_for
 
 # -- the plan ----------------------------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_
 class _Search:
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
-                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None):
+                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True):
         self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
         self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
@@ -57,6 +58,16 @@ class _Search:
                 for vname, vmake, vnote in _implementations(name, make, device):
                     self.optimizers[vname] = (vmake, "; ".join(filter(None, [note, vnote])),
                                               max(rank, ROUNDING if "fused" in vname else SAME))
+            # Yours with 8-bit moments (bitsandbytes), and yours and that one stepped in backward.
+            stepped = [f"yours: {user}"]
+            eight = _eight_bit(make_optimizer)
+            if eight is not None:
+                self.optimizers[eight[0]] = (eight[1], eight[2], ROUNDING)
+                stepped.append(eight[0])
+            for name in stepped:
+                make, note, rank = self.optimizers[name]
+                self.optimizers[f"{name}, in backward"] = (
+                    _in_backward(make), "; ".join(filter(None, [note, "stepped in backward: no clipping"])), rank)
         self.adam_like = {name: _adam_like(make) for name, (make, _, _) in self.optimizers.items()}
         ks = accumulate if accumulate is not None else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                         if self.rank_batch % k == 0]
@@ -69,6 +80,7 @@ class _Search:
         self.offl = [False, True] if offload and device == "cuda" else [False]
         self.precisions = precisions
         self.strategies = strategies
+        self.loras = [False, True] if lora and self.facts.lora_targets and gpus == 1 else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
         self.rows: dict[Candidate, Row] = {}
@@ -89,6 +101,13 @@ class _Search:
         if c.precision == "half":
             rank = max(rank, TRAINING)
             notes.append("float16 weights and updates, no float32 copy")
+        if c.precision == "bf16 weights":
+            rank = max(rank, ROUNDING)
+            notes.append("bfloat16 weights, gradients and optimizer state, no float32 copy (an update below 2^-8 "
+                         "of its weight is lost)")
+        if c.lora:
+            rank = max(rank, TRAINING)
+            notes.append("a different model: the weights frozen, low-rank adapters trained (peft LoRA)")
         if c.accumulate > 1 or c.strategy != "single GPU":
             rank = max(rank, ROUNDING)
             notes.append("sums in another order")
@@ -99,6 +118,8 @@ class _Search:
             rank = max(rank, STATISTICS)
             notes.append("BatchNorm running statistics updated again by the recomputation")
         tolerance = None
+        if c.lora:
+            return rank, "; ".join(notes), None  # other parameters are trained: no gradient to compare
         if rank <= ROUNDING or (rank == TRAINING and not self.facts.has_batchnorm):
             tolerance = 16 * UNIT_ROUNDOFF[c.precision] if (c.precision != "float32" or rank > SAME) else 1e-6
             if c.precision == "float32" and rank > SAME:
@@ -109,7 +130,9 @@ class _Search:
         step_seconds = 3 * self.facts.forward_flops / self.tflops
         if step_seconds <= 0:
             return 1.0
-        extra = 0.0
+        # LoRA: backward computes no gradient of the frozen weights, a forward's worth of the three (the
+        # adapters' own arithmetic, rank 16 against the layers' widths, is not counted).
+        extra = -self.facts.forward_flops / self.tflops if c.lora else 0.0
         if c.checkpointed:
             extra += self.facts.recompute_flops / self.tflops
         if c.accumulate > 1:
@@ -121,19 +144,28 @@ class _Search:
     def candidates(self) -> list[Candidate]:
         found = []
         for opt in self.optimizers:
+            in_backward = opt.endswith(", in backward")
             for precision in self.precisions:
                 if precision == "half" and self.adam_like[opt]:
                     continue  # eps (1e-8) is 0 in float16 and the second moment underflows: not safe
+                if in_backward and precision == "fp16":
+                    continue  # a GradScaler unscales and checks every gradient before any step
                 for strategy in self.strategies:
+                    if in_backward and strategy != "single GPU":
+                        continue
                     for k in self.ks:
+                        if in_backward and k > 1:
+                            continue  # each micro-batch's gradient would step the parameter
                         for ck in self.ckpt:
                             for off in self.offl:
-                                found.append(Candidate(opt, precision, k, ck, off, strategy))
+                                for lora in self.loras:
+                                    found.append(Candidate(opt, precision, k, ck, off, strategy, lora))
         return found
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         rank = self.numerics(c)[0]
-        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), rank, c.accumulate, c.checkpointed, c.offload,
+        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), rank, c.accumulate, c.checkpointed,
+                c.offload, c.lora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
                 STRATEGIES.index(c.strategy))
 
@@ -141,10 +173,11 @@ class _Search:
 
     def floor(self, c: Candidate) -> dict:
         """Model state and the optimizer step alone, for this optimizer and parameter type."""
-        key = (c.optimizer, "half" if c.precision == "half" else "float32")
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
         if key not in self.floors:
             info: dict = {}
-            p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0], lambda: (),
+            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
+                        lambda: (),
                         step=_optimizer_only(info), device=self.device)
             self.predictions += 1
             info["peak"] = p.peak
@@ -176,7 +209,7 @@ class _Search:
         proxy_k = 1 if c.accumulate == 1 else 2
         n = micro * proxy_k
         copies = [0]
-        p = predict(_model_maker(self.make_model, c.precision), self.optimizers[c.optimizer][0],
+        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size),
                     step=_step_for(c, proxy_k, copies, self.loss),
                     device=self.device)
@@ -254,7 +287,8 @@ class _Search:
         return self.ordered()
 
     def most_saving(self, c: Candidate) -> Candidate:
-        return Candidate(c.optimizer, c.precision, max(self.ks), max(self.ckpt), max(self.offl), c.strategy)
+        ks = [k for k in self.ks if k == 1 or not c.optimizer.endswith(", in backward")]
+        return Candidate(c.optimizer, c.precision, max(ks), max(self.ckpt), max(self.offl), c.strategy, c.lora)
 
     def amp_bound(self, c: Candidate) -> int:
         """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
@@ -271,12 +305,12 @@ class _Search:
 
     def copy_bytes(self, c: Candidate) -> int:
         """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""
-        key = (c.precision, c.accumulate, c.checkpointed)  # the optimizer does not change what is saved
+        key = (c.precision, c.accumulate, c.checkpointed, c.lora)  # the optimizer does not change what is saved
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
             with FakeTensorMode(allow_non_fake_inputs=True):
-                model = _model_maker(self.make_model, c.precision)()
+                model = _model_maker(self.make_model, c.precision, lora=c.lora)()
                 batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 # The forward and the loss, as the step runs them under save_on_cpu, whose place _offload takes.
                 with _offload(copies):

@@ -8,11 +8,13 @@ import contextlib
 import torch
 from torch import nn
 
-from .._torch import ScalerThatAlwaysSteps
+from .._torch import ScalerThatAlwaysSteps, active_fake_mode
+from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
-from ..factories import fake_model
+from ..factories import fake_model, swappable_fakes
 from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
 from .candidates import Candidate
+from .facts import LORA_RANK, lora_targets
 
 # -- predicting one candidate ------------------------------------------------------------------------------------
 
@@ -72,15 +74,33 @@ def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
     return model
 
 
-def _model_maker(make_model, precision: str, fake: bool = True):
+def with_lora(model: nn.Module) -> nn.Module:
+    """``model`` with LoRA adapters (``peft.get_peft_model``): its weights frozen, rank-``LORA_RANK`` adapters
+    trained on ``lora_targets``."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                                                      target_modules=lora_targets(model)))
+
+
+def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = False):
     """A candidate's model factory. ``fake``: called under fake tensors, where a model that already exists comes
-    as a fake copy (``gpukit.factories.fake_model``), so that making it half never reaches the user's model."""
+    as a fake copy (``gpukit.factories.fake_model``), so that converting it never reaches the user's model
+    (``make_model`` for a real step copies such a model: ``_Search.make_real_model``)."""
+
+    def convert(model: nn.Module) -> nn.Module:
+        if precision == "half":
+            model = _half_with_float_batchnorm_fake(model) if fake else half_with_float_batchnorm(model)
+        elif precision == "bf16 weights":
+            with swappable_fakes(active_fake_mode()):
+                model = model.to(torch.bfloat16)
+        return with_lora(model) if lora else model
+
     if fake:
-        return lambda: (_half_with_float_batchnorm_fake if precision == "half" else (lambda m: m))(
-            fake_model(make_model))
-    if precision != "half":
+        return lambda: convert(fake_model(make_model))
+    if precision not in ("half", "bf16 weights") and not lora:
         return make_model
-    return lambda: half_with_float_batchnorm(make_model())
+    return lambda: convert(make_model())
 
 
 def _optimizer_only(info: dict):
@@ -89,8 +109,13 @@ def _optimizer_only(info: dict):
 
     def step(model, optimizer, batch):
         optimizer.zero_grad(set_to_none=True)
+        if isinstance(optimizer, OptimizerInBackward):  # one gradient at a time, as its hooks step them
+            for p, one in optimizer.optimizers.items():
+                p.grad = torch.zeros_like(p)
+                one.step()
+                one.zero_grad(set_to_none=True)
         for p in model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and not isinstance(optimizer, OptimizerInBackward):
                 p.grad = torch.zeros_like(p)
         optimizer.step()
         info["params"] = sum(round_up(p.untyped_storage().nbytes()) for p in model.parameters())

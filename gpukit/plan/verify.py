@@ -65,7 +65,7 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
             other = r.live_end
         torch.manual_seed(seed)
         with dev:
-            model = _model_maker(make_model, candidate.precision, fake=False)()
+            model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora)()
         model.to(dev)
         optimizer = make_optimizer(model.parameters())
         batch = map_tensors(lambda t: t.to(dev), make_batch())
