@@ -103,7 +103,7 @@ def chunked_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], chunk_tok
 
     Args:
         model: a transformers causal LM (``LlamaForCausalLM``, say; see the module's docstring for the heads
-            supported). Only called: its modules, hooks and training flag stay as they are.
+            supported), or a peft model of one (LoRA: its ``get_base_model()``, the adapters inside). Only called: its modules, hooks and training flag stay as they are.
         batch: the keyword arguments of the model's forward, a dict or a ``BatchEncoding``: ``input_ids``
             (or ``inputs_embeds``), optionally ``attention_mask`` and the like, and ``labels`` (-100 for a token
             left out of the loss), unshifted, as for ``model(**batch).loss``. Every key but ``labels`` goes to
@@ -121,6 +121,8 @@ def chunked_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], chunk_tok
             or whose ``base_model`` returns no ``last_hidden_state``.
     """
     _check_chunk_tokens(chunk_tokens)
+    if callable(getattr(model, "get_base_model", None)):  # a peft model: the transformers model, adapters inside
+        model = model.get_base_model()
     if not isinstance(batch, Mapping) or "labels" not in batch:
         keys = f"keys {sorted(batch)}" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
         raise ValueError(f"chunked_causal_lm_loss needs a batch of keyword arguments with 'labels' (as for "

@@ -18,9 +18,9 @@ bnb = pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning:transformers.*")
 
 
-def llama():
+def llama(vocab=256):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(config)
 
@@ -29,8 +29,8 @@ def lora(base=llama):
     return peft.get_peft_model(base(), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
 
 
-def text_batch(n=8, length=32):
-    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(1))
+def text_batch(n=8, length=32, vocab=256):
+    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[::2, -8:] = 0  # padded, as a tokenizer pads: the prediction builds the same masks (test_transformers)
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
@@ -183,11 +183,11 @@ def test_a_model_trained_in_backward_is_freed_with_its_optimizer():
 
 
 
-def small_plan(budget, **options):
-    """A batch so small that the model state is the step's peak, as for a big model; accumulation, checkpointing
-    and offload left out, so that the techniques of this file are what can make the step fit."""
-    return gpukit.plan(llama, adamw, lambda: text_batch(n=2, length=12), budget=budget, device="cpu", loss="model",
-                       accumulate=[1], checkpointing=False, **options)
+def small_plan(budget, batch=(2, 12), vocab=256, **options):
+    """By default a batch so small that the model state is the step's peak, as for a big model; accumulation,
+    checkpointing and offload left out, so that the techniques of this file are what can make the step fit."""
+    return gpukit.plan(lambda: llama(vocab), adamw, lambda: text_batch(*batch, vocab=vocab), budget=budget,
+                       device="cpu", loss="model", accumulate=[1], checkpointing=False, **options)
 
 
 KINDS = {  # what the plan may use besides the plain step: only this kind saves memory, or saves the most
@@ -195,6 +195,9 @@ KINDS = {  # what the plan may use besides the plain step: only this kind saves 
     "AdamW8bit (bitsandbytes)": dict(precisions=("float32",), lora=False),
     "bf16 weights": dict(precisions=("float32", "bf16 weights"), implementations=False, lora=False),
     "LoRA": dict(precisions=("float32",), implementations=False),
+    # the logits the largest tensors of the step: 4 x 512 tokens (two chunks of 1,024) of a 2,048-word vocabulary,
+    # 16 MiB in float32 where one chunk's are 8
+    "chunked loss": dict(precisions=("float32",), implementations=False, lora=False, batch=(4, 512), vocab=2048),
 }
 
 
@@ -211,8 +214,9 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     p = small_plan(budget, alternatives=0, **options)
     assert p.choice is not None and kind in p.choice.candidate.label + p.choice.candidate.optimizer
     assert p.verification.ran and p.verification.fitted and p.verification.measured_peak == p.choice.peak
-    batch = text_batch(n=2, length=12)
-    scope = {"make_model": llama, "loader": [batch, batch]}
+    vocab = options.get("vocab", 256)
+    batch = text_batch(*options.get("batch", (2, 12)), vocab=vocab)
+    scope = {"make_model": lambda: llama(vocab), "loader": [batch, batch]}
     exec(p.code, scope)
     trained, optimizer = scope["model"], scope["optimizer"]
     learned = [p for p in trained.parameters() if p.requires_grad]
@@ -222,6 +226,6 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
         assert any(p.count_nonzero() for n, p in trained.named_parameters() if "lora_B" in n)
         assert all("lora_" in n for n, p in trained.named_parameters() if p.requires_grad)
     else:
-        fresh = llama().to(learned[0].dtype)
+        fresh = llama(vocab).to(learned[0].dtype)
         assert sum(not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters())) > len(learned) / 2
 

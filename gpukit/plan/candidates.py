@@ -30,8 +30,8 @@ WEIGHTS = {"float32": torch.float32, "bf16": torch.float32, "fp16": torch.float3
 @dataclass(frozen=True)
 class Candidate:
     """One way to run the step: the optimizer (a label of ``Plan.optimizers``), precision, micro-batches,
-    checkpointing, offload, LoRA adapters in place of the full model's training and, with several GPUs, the
-    parallelism."""
+    checkpointing, offload, LoRA adapters in place of the full model's training, a chunked loss and, with several
+    GPUs, the parallelism."""
 
     optimizer: str
     precision: str = "float32"
@@ -40,6 +40,7 @@ class Candidate:
     offload: bool = False
     strategy: str = "single GPU"
     lora: bool = False
+    chunked_loss: bool = False  # a causal LM's loss a chunk of tokens at a time (gpukit.losses)
 
     @property
     def group(self) -> tuple[str, str, str, bool]:
@@ -64,6 +65,8 @@ class Candidate:
             parts.append("checkpointing")
         if self.offload:
             parts.append("offload saved tensors")
+        if self.chunked_loss:
+            parts.append("chunked loss")
         if self.strategy != "single GPU":
             parts.insert(0, self.strategy)
         return " + ".join(parts) or "plain"
@@ -71,7 +74,8 @@ class Candidate:
     def saves_at_least(self, other: "Candidate") -> bool:
         """Same group, and every memory technique of ``other`` at least as strong here."""
         return (self.group == other.group and self.accumulate >= other.accumulate
-                and self.checkpointed >= other.checkpointed and self.offload >= other.offload)
+                and self.checkpointed >= other.checkpointed and self.offload >= other.offload
+                and self.chunked_loss >= other.chunked_loss)
 
 
 @dataclass

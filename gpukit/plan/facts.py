@@ -16,7 +16,7 @@ from .._torch import FakeTensorMode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
-from ..step import batch_size, batch_tensors, checkpoint_plan, own_checkpointing_methods
+from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
 
@@ -35,6 +35,7 @@ class _ModelFacts:
     existing_model: bool = False  # make_model() returns a model that already exists (real tensors under fake mode)
     batch_mapping: bool = False  # the batch is a mapping of tensors (a dict, a BatchEncoding): keyword arguments
     lora_targets: tuple[str, ...] = ()  # the modules LoRA would adapt (steps.lora_targets); none: no LoRA candidate
+    head_flops: int = 0  # a causal LM's output layer, one forward over the batch; 0: no chunked loss candidate
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
@@ -138,7 +139,19 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
     targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
-                       mapping, targets)
+                       mapping, targets, _head_flops(model, batch) if loss is model_loss else 0)
+
+
+def _head_flops(model: nn.Module, batch) -> int:
+    """FLOPs of a causal LM's output layer over the batch's tokens, where ``gpukit.losses.chunked_causal_lm_loss``
+    can compute its loss (an output embedding, a body giving hidden states, labels in the batch), else 0."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    body = getattr(model, "base_model", None)
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(head, nn.Linear) or not isinstance(body, nn.Module) or body is model \
+            or not torch.is_tensor(labels):
+        return 0
+    return 2 * labels.numel() * head.weight.numel()
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from ..step import model_loss
 from .candidates import Candidate
 from .facts import LORA_RANK, probe_optimizer
+from .steps import CHUNK_TOKENS
 from .search import _Search
 
 # -- the recipe as code ------------------------------------------------------------------------------------------
@@ -44,6 +45,8 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         lines.append("from gpukit.bigmodel import OptimizerInBackward  # PyTorch's recipe: step in a grad hook")
     if c.lora:
         lines.append("from peft import LoraConfig, get_peft_model")
+    if c.chunked_loss:
+        lines.append("from gpukit.losses import chunked_causal_lm_loss  # the logits a chunk of tokens at a time")
     lines += ["", f"model = make_model().to({dev!r})"]
     if c.precision == "half":
         lines += ["model.half()  # float16 weights; BatchNorm back to float32 (its running statistics overflow)",
@@ -126,8 +129,11 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
         half = "map_tensors(lambda v: v.CAST if v.is_floating_point() else v, micro)"
     own = search.loss is model_loss
     compute = "model(**micro).loss" if own else "loss_fn(model, micro)  # the loss given to plan()"
+    fn = "lambda m, b: m(**b).loss" if own else "loss_fn"
+    if c.chunked_loss:
+        compute = f"chunked_causal_lm_loss(model, micro, chunk_tokens={CHUNK_TOKENS})  # = model(**micro).loss"
+        fn = f"functools.partial(chunked_causal_lm_loss, chunk_tokens={CHUNK_TOKENS})"
     if c.checkpointed and not search.facts.checkpoint_code:
-        fn = "lambda m, b: m(**b).loss" if own else "loss_fn"
         compute = f"checkpoint({fn}, model, micro, use_reentrant=False)"
     lines = [""] + ([] if mapping else ["from gpukit.step import map_tensors, split_batch"])
     lines += ["for batch in loader:", move, "    optimizer.zero_grad(set_to_none=True)"]

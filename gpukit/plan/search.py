@@ -26,7 +26,7 @@ from .candidates import (
     Row,
 )
 from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
-from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_for
+from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_for, candidate_loss
 
 # -- the plan ----------------------------------------------------------------------------------------------------
 
@@ -81,6 +81,7 @@ class _Search:
         self.precisions = precisions
         self.strategies = strategies
         self.loras = [False, True] if lora and self.facts.lora_targets and gpus == 1 else [False]
+        self.chunks = [False, True] if self.facts.head_flops else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
         self.rows: dict[Candidate, Row] = {}
@@ -105,6 +106,9 @@ class _Search:
             rank = max(rank, ROUNDING)
             notes.append("bfloat16 weights, gradients and optimizer state, no float32 copy (an update below 2^-8 "
                          "of its weight is lost)")
+        if c.chunked_loss:
+            rank = max(rank, ROUNDING)
+            notes.append("the loss summed chunk by chunk (another order)")
         if c.lora:
             rank = max(rank, TRAINING)
             notes.append("a different model: the weights frozen, low-rank adapters trained (peft LoRA)")
@@ -138,6 +142,8 @@ class _Search:
         if c.accumulate > 1:
             weight_bytes = self.facts.parameters * (2 if c.precision == "half" else 4)
             extra += (c.accumulate - 1) * 4 * weight_bytes / self.memory_bw  # weights read twice, grads read+written
+        if c.chunked_loss:  # each chunk's logits are computed again in backward
+            extra += self.facts.head_flops / self.gpus / self.tflops
         extra += copy_bytes / self.host_bw
         return 1.0 + extra / step_seconds
 
@@ -159,13 +165,14 @@ class _Search:
                         for ck in self.ckpt:
                             for off in self.offl:
                                 for lora in self.loras:
-                                    found.append(Candidate(opt, precision, k, ck, off, strategy, lora))
+                                    for chunked in self.chunks:
+                                        found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked))
         return found
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         rank = self.numerics(c)[0]
         return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), rank, c.accumulate, c.checkpointed,
-                c.offload, c.lora,
+                c.offload, c.chunked_loss, c.lora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
                 STRATEGIES.index(c.strategy))
 
@@ -288,7 +295,8 @@ class _Search:
 
     def most_saving(self, c: Candidate) -> Candidate:
         ks = [k for k in self.ks if k == 1 or not c.optimizer.endswith(", in backward")]
-        return Candidate(c.optimizer, c.precision, max(ks), max(self.ckpt), max(self.offl), c.strategy, c.lora)
+        return Candidate(c.optimizer, c.precision, max(ks), max(self.ckpt), max(self.offl), c.strategy, c.lora,
+                         max(self.chunks))
 
     def amp_bound(self, c: Candidate) -> int:
         """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
@@ -305,7 +313,7 @@ class _Search:
 
     def copy_bytes(self, c: Candidate) -> int:
         """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""
-        key = (c.precision, c.accumulate, c.checkpointed, c.lora)  # the optimizer does not change what is saved
+        key = (c.precision, c.accumulate, c.checkpointed, c.lora, c.chunked_loss)  # not the optimizer: it saves nothing
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
@@ -314,7 +322,7 @@ class _Search:
                 batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 # The forward and the loss, as the step runs them under save_on_cpu, whose place _offload takes.
                 with _offload(copies):
-                    micro_loss(model, batch, replace(c.technique(1), offload=False), self.loss)
+                    micro_loss(model, batch, replace(c.technique(1), offload=False), candidate_loss(c, self.loss))
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
 

@@ -4,6 +4,7 @@ the model built in its precision, the optimizer step alone."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -49,8 +50,22 @@ def _offload(counter: list[int] | None = None):
         yield
 
 
+CHUNK_TOKENS = 1024  # the chunked loss's tokens per chunk: one sequence of 1,024 tokens' logits at a time
+
+
+def candidate_loss(candidate: Candidate, loss):
+    """The loss a candidate's step computes: the plan's, or for a chunked loss ``gpukit.losses``' of the same
+    value (the plan's is then the model's own, ``model(**batch).loss``)."""
+    if not candidate.chunked_loss:
+        return loss
+    from ..losses import chunked_causal_lm_loss
+
+    return functools.partial(chunked_causal_lm_loss, chunk_tokens=CHUNK_TOKENS)
+
+
 def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None):
     technique = candidate.technique(accumulate)
+    loss = candidate_loss(candidate, loss)
     state: dict = {}
 
     def step(model, optimizer, batch):

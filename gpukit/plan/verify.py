@@ -14,7 +14,7 @@ from ..report import format_bytes
 from ..step import map_tensors, train_step
 from .candidates import Candidate, Row, Verification
 from .search import _Search
-from .steps import _model_maker
+from .steps import _model_maker, candidate_loss
 
 # -- running candidates for real ---------------------------------------------------------------------------------
 
@@ -73,6 +73,8 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
         scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
         offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
             else contextlib.nullcontext()
+
+        loss = candidate_loss(candidate, loss)
 
         def step():
             with offload:
