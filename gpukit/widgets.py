@@ -86,19 +86,24 @@ class TechniqueExplorer(w.VBox):
 
     Args:
         make_model: builds the model (a fresh one for every run, from the same seed).
-        make_batch: ``make_batch(batch_size)`` builds ``(x, y)``.
+        make_batch: ``make_batch(batch_size)`` builds ``(x, y)``, or with ``loss`` a batch of any structure (a
+            dict, a transformers ``BatchEncoding``...).
         make_optimizer: builds the optimizer from the parameters (default Adam).
         device: where to run (default the GPU if there is one, else the CPU).
         batch_sizes: the choices offered.
+        loss: as for ``gpukit.step.train_step``: None (cross-entropy of ``model(x)`` against ``y``), ``"model"``
+            (``model(**batch).loss``) or ``loss(model, batch)``.
     """
 
     def __init__(self, make_model, make_batch, make_optimizer=None, device=None,
-                 batch_sizes=(64, 128, 256, 512, 1024, 2048)) -> None:
+                 batch_sizes=(64, 128, 256, 512, 1024, 2048), loss=None) -> None:
+        from .step import resolve_loss
+
         import torch
 
         from .meter import resolve_device
 
-        self.make_model, self.make_batch = make_model, make_batch
+        self.make_model, self.make_batch, self.loss = make_model, make_batch, resolve_loss(loss)
         self.make_optimizer = make_optimizer or (lambda p: torch.optim.Adam(p))
         self.device = resolve_device(device)
         self.reports: list[MemoryReport] = []
@@ -130,19 +135,19 @@ class TechniqueExplorer(w.VBox):
 
         from .meter import measure
         from .plots import role_bars
-        from .step import Technique, train_step
+        from .step import Technique, map_tensors, train_step
 
         for name, value in settings.items():
             getattr(self, name).value = value
         torch.manual_seed(0)
         model = self.make_model().to(self.device)
         opt = self.make_optimizer(model.parameters())
-        batch = tuple(t.to(self.device) for t in self.make_batch(self.batch.value))
+        batch = map_tensors(lambda t: t.to(self.device), self.make_batch(self.batch.value))
         technique = Technique(self.settings(), amp=torch.bfloat16 if self.amp.value else None,
                               accumulate=self.accumulation.value, checkpointed=self.checkpointing.value)
 
         def step():
-            train_step(model, opt, batch, technique)
+            train_step(model, opt, batch, technique, loss=self.loss)
 
         step()  # warm-up: gradients and optimizer state exist
         with measure(self.device, label=self.settings(), model=model, optimizer=opt, record=False) as report:

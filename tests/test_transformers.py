@@ -137,3 +137,22 @@ def test_a_causal_lm_is_planned_without_a_wrapper_and_its_recipe_runs_as_printed
 def test_a_dict_batch_without_a_loss_is_refused_saying_what_to_pass():
     with pytest.raises(ValueError, match=r"loss='model'"):
         gpukit.plan(llama, torch.optim.AdamW, text_batch, budget="1GB", device="cpu")
+
+
+def test_the_technique_explorer_runs_a_transformers_model_on_its_own_loss():
+    """The widget's steps on a dict batch with the model's own loss: the measured peak is the step's, checkpointing
+    (transformers' own, on the decoder layers) lowers it, and the explorer's model is its own (no user object)."""
+    from gpukit.widgets import TechniqueExplorer
+
+    explorer = TechniqueExplorer(llama, lambda b: text_batch(n=b), torch.optim.AdamW, device="cpu", batch_sizes=(8,),
+                                 loss="model")
+    plain = explorer.run(checkpointing=False)
+    checkpointed = explorer.run(checkpointing=True)
+    model, batch = llama(), text_batch()
+    optimizer = torch.optim.AdamW(model.parameters())
+    hf_step(model, optimizer, batch)
+    with gpukit.measure("cpu", record=False) as measured:
+        hf_step(model, optimizer, batch)
+    assert plain.peak == measured.peak and checkpointed.peak < plain.peak
+    with pytest.raises(ValueError, match="loss="):
+        TechniqueExplorer(llama, lambda b: text_batch(n=b), loss="the model's")
