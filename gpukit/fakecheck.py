@@ -21,9 +21,12 @@ same signature, then
   make it raise); floats are made up (0.5; after an error, drawn from [0, 1)), and an error counts
   only when both fillings raise it, so that an error caused by the made-up values does not;
 * where the op is too big to run here (``limit`` bytes of inputs and outputs), it cannot know:
-  an op that is not structured and allocates is then named in ``unverified``, and the prediction
-  is a lower bound where such a kernel leaves memory out (the wrong fake kernels seen so far all
-  did: workspaces returned empty).
+  an op that is not structured, allocates, and has an output of a shape none of its inputs has is
+  then named in ``unverified``, and the prediction is a lower bound where such a kernel leaves
+  memory out (the wrong fake kernels seen so far all did: workspaces returned empty). An op whose
+  outputs mirror its inputs' shapes (element-wise, casts, copies, foreach ops), or whose output shapes
+  follow a rule read from its real kernel (``SHAPE_RULES``: embeddings, CPU flash attention), is not
+  named.
 """
 
 from __future__ import annotations
@@ -81,6 +84,44 @@ def _trusted(func) -> bool:
         return True
     name = schema.name.split("::", 1)[-1] + "." + (schema.overload_name or "default")
     return name in structured_ops()
+
+
+# Output shapes of ops that are not structured and whose outputs are not their inputs' shapes, as their real
+# kernels make them, for the ops every language model meets at sizes too big to run here. A fake output of these
+# shapes is the real one (tests/test_fakecheck.py runs each real kernel at small sizes against its rule).
+SHAPE_RULES = {
+    # aten/src/ATen/native/Embedding.cpp, embedding: weight.index_select(0, indices.reshape(-1)), viewed as
+    # indices' shape + (embedding dim,)
+    "aten.embedding.default": lambda args: [(*args[1].shape, args[0].shape[-1])],
+    # Embedding.cpp, embedding_dense_backward_cpu: a (num_weights, grad.size(-1)) gradient of the weight
+    "aten.embedding_dense_backward.default": lambda args: [(args[2], args[0].shape[-1])],
+    # aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention_cpu: the output
+    # (batch, heads, queries, value dim) and the logsumexp (batch, heads, queries)
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": lambda args: [
+        (*args[0].shape[:-1], args[2].shape[-1]), tuple(args[0].shape[:-1])],
+}
+
+
+def _by_rule(func, args, flat_out) -> bool:
+    """Whether ``func`` has a ``SHAPE_RULES`` entry and its fake outputs have the shapes it gives."""
+    rule = SHAPE_RULES.get(str(func))
+    if rule is None:
+        return False
+    try:
+        expected = [tuple(shape) for shape in rule(args)]
+    except (IndexError, AttributeError, TypeError):  # called another way than the rule reads it: not known
+        return False
+    return expected == [tuple(o.shape) for o in flat_out if isinstance(o, torch.Tensor)]
+
+
+def _mirrors(tensors, flat_out) -> bool:
+    """Whether every output has the shape of one of the op's tensor inputs: an element-wise op, a cast, a copy,
+    a foreach op over a list. Such a kernel's output sizes are its inputs' (the dtype is in the fake output);
+    the wrong fake kernels seen so far returned a workspace of some other size (empty where the real one is not),
+    which this never is."""
+    shapes = {tuple(t.shape) for t in tensors}
+    outputs = [o for o in flat_out if isinstance(o, torch.Tensor)]
+    return bool(outputs) and all(tuple(o.shape) in shapes and o.layout is torch.strided for o in outputs)
 
 
 def _followable_factory(func, out) -> bool:
@@ -333,7 +374,8 @@ class FakeKernelCheck(TorchDispatchMode):
             strided = [t for t in tensors if t.layout is torch.strided]
             allocates = any(isinstance(o, torch.Tensor) and (o.layout is not torch.strided or not any(
                 o.untyped_storage() is t.untyped_storage() for t in strided)) for o in flat_out)
-            return Finding(unverified=why if allocates and not trusted else ""), None
+            known = trusted or _mirrors(tensors, flat_out) or _by_rule(func, args, flat_out)
+            return Finding(unverified=why if allocates and not known else ""), None
         real_out, error = self._run(func, args, kwargs)
         if isinstance(error, NotImplementedError):
             return Finding(unverified=f"the real kernel cannot run here: {str(error).splitlines()[0]}"), None

@@ -130,7 +130,8 @@ def test_out_of_range_ids_raise_where_the_op_is_too_big_to_run(monkeypatch):
         predict(model, sgd, lambda: (torch.tensor([[1, 10]]), torch.tensor([[0, 1]])), step)
     with pytest.raises(IndexError, match="Target 7 is out of bounds"):
         predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[0, 7]])), step)
-    assert predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[-100, 6]])), step).lower_bound
+    # In range, too big to run: the embedding's output shape is known by its rule (SHAPE_RULES), so not a bound.
+    assert not predict(model, sgd, lambda: (torch.tensor([[1, 9]]), torch.tensor([[-100, 6]])), step).lower_bound
 
 
 def test_a_large_16_bit_structured_op_is_not_rerun_on_the_cpu(monkeypatch):
@@ -155,3 +156,43 @@ def test_a_large_16_bit_structured_op_is_not_rerun_on_the_cpu(monkeypatch):
         predict(lambda dtype=dtype: nn.Linear(1024, 1024, bias=False, dtype=dtype),
                 lambda p: torch.optim.SGD(p, lr=0.1), lambda: torch.randn(512, 1024), step)
     assert ("aten.mm.default", torch.float32) in ran and ("aten.mm.default", torch.float16) not in ran
+
+
+@pytest.mark.parametrize("op", sorted(gpukit.fakecheck.SHAPE_RULES))
+def test_each_shape_rule_is_the_real_kernels(op):
+    """Device: cpu. The rules stand for real kernels too big to run here: each is checked against the real kernel
+    at small sizes of several shapes (odd sizes, a batch of one, another value width)."""
+    rule, aten = gpukit.fakecheck.SHAPE_RULES[op], torch.ops.aten
+    calls = {
+        "aten.embedding.default": [(torch.randn(50, 8), torch.randint(0, 50, shape)) for shape in [(3, 5), (7,), (1, 2, 3)]],
+        "aten.embedding_dense_backward.default": [(torch.randn(*shape, 8), torch.randint(0, 50, shape), 50, -1, False)
+                                                  for shape in [(3, 5), (7,)]],
+        "aten._scaled_dot_product_flash_attention_for_cpu.default": [
+            (torch.randn(b, h, q, 8), torch.randn(b, h, k, 8), torch.randn(b, h, k, v), 0.0, causal)
+            for b, h, q, k, v, causal in [(2, 4, 16, 16, 8, True), (1, 3, 5, 9, 8, False)]],
+    }[op]
+    name, overload = op.removeprefix("aten.").rsplit(".", 1)
+    func = getattr(getattr(aten, name), overload)
+    for args in calls:
+        real = func(*args)
+        real = real if isinstance(real, tuple) else (real,)
+        assert [tuple(shape) for shape in rule(args)] == [tuple(t.shape) for t in real]
+
+
+def test_a_big_op_whose_outputs_have_its_inputs_shapes_or_a_known_rule_is_not_a_lower_bound(monkeypatch):
+    """Device: cpu. With nothing small enough to run for real, an embedding (by its rule), casts and AdamW's foreach
+    ops (their outputs mirror their inputs) leave the prediction exact; an LSTM's layer, whose workspace has a shape
+    of its own, still makes it a named lower bound (the test above)."""
+    monkeypatch.setattr(gpukit.fakecheck, "CHECK_LIMIT", 0)
+    model = lambda: nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100))  # noqa: E731
+    adam = lambda p: torch.optim.Adam(p, foreach=True)  # noqa: E731
+
+    def step(m, o, batch):
+        o.zero_grad()
+        x, y = batch
+        torch.nn.functional.cross_entropy(m(x).double().flatten(0, 1), y.flatten()).backward()
+        o.step()
+
+    batch = lambda: (torch.randint(0, 100, (4, 9)), torch.randint(0, 100, (4, 9)))  # noqa: E731
+    p = predict(model, adam, batch, step)
+    assert not p.lower_bound, p.unverified_ops
