@@ -47,14 +47,16 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
         lines.append("from peft import LoraConfig, get_peft_model")
     if c.chunked_loss:
         lines.append("from gpukit.losses import chunked_causal_lm_loss  # the logits a chunk of tokens at a time")
-    lines += ["", f"model = make_model().to({dev!r})"]
+    if c.precision == "bf16 weights":  # converted before it moves: the float32 weights never reach the device
+        lines += ["", f"model = make_model().to(torch.bfloat16).to({dev!r})  # weights, gradients, optimizer state: "
+                      "bfloat16"]
+    else:
+        lines += ["", f"model = make_model().to({dev!r})"]
     if c.precision == "half":
         lines += ["model.half()  # float16 weights; BatchNorm back to float32 (its running statistics overflow)",
                   "for m in model.modules():",
                   "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
                   "        m.float()"]
-    if c.precision == "bf16 weights":
-        lines.append("model = model.to(torch.bfloat16)  # weights, gradients and optimizer state in bfloat16")
     if c.lora:
         lines.append(f"model = get_peft_model(model, LoraConfig(r={LORA_RANK}, lora_alpha={2 * LORA_RANK}, "
                      f"target_modules={list(search.facts.lora_targets)!r}))  # the weights frozen")
