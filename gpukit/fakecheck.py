@@ -95,6 +95,12 @@ SHAPE_RULES = {
     "aten.embedding.default": lambda args: [(*args[1].shape, args[0].shape[-1])],
     # Embedding.cpp, embedding_dense_backward_cpu: a (num_weights, grad.size(-1)) gradient of the weight
     "aten.embedding_dense_backward.default": lambda args: [(args[2], args[0].shape[-1])],
+    # aten/src/ATen/native/TensorShape.cpp, slice_backward: zeros of input_sizes, the gradient copied into a slice
+    "aten.slice_backward.default": lambda args: [tuple(args[1])],
+    # aten/src/ATen/native/layer_norm.cpp, layer_norm_cpu: the output like the input, the mean and rstd with the
+    # normalized dimensions kept as 1s
+    "aten.native_layer_norm.default": lambda args: [tuple(args[0].shape)] + 2 * [
+        (*args[0].shape[:args[0].dim() - len(args[1])], *[1] * len(args[1]))],
     # aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention_cpu: the output
     # (batch, heads, queries, value dim) and the logsumexp (batch, heads, queries)
     "aten._scaled_dot_product_flash_attention_for_cpu.default": lambda args: [
