@@ -218,10 +218,15 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     batch = text_batch(*options.get("batch", (2, 12)), vocab=vocab)
     scope = {"make_model": lambda: llama(vocab), "loader": [batch, batch]}
     exec(p.code, scope)
-    trained, optimizer = scope["model"], scope["optimizer"]
+    trained = scope["model"]
     learned = [p for p in trained.parameters() if p.requires_grad]
     assert all(p.isfinite().all() for p in trained.parameters())
-    assert len(optimizer.state) == len(learned) and all(int(st["step"]) == 2 for st in optimizer.state.values())
+    if "in backward" in kind:  # PyTorch's own recipe, printed: one optimizer a parameter, stepped from its hook
+        assert "gpukit" not in p.code and "optimizer.step()" not in p.code
+        states = [st for one in scope["optimizers"].values() for st in one.state.values()]
+    else:
+        states = list(scope["optimizer"].state.values())
+    assert len(states) == len(learned) and all(int(st["step"]) == 2 for st in states)
     if kind == "LoRA":  # peft starts each adapter's B at zero: the adapters were trained, the weights frozen
         assert any(p.count_nonzero() for n, p in trained.named_parameters() if "lora_B" in n)
         assert all("lora_" in n for n, p in trained.named_parameters() if p.requires_grad)

@@ -37,12 +37,10 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
     label = c.optimizer.removesuffix(", in backward")
     in_backward = label != c.optimizer
     imports, expression, cls_name = _optimizer_expression(search.optimizers[label][0],
-                                                          "p" if in_backward else "model.parameters()")
+                                                          "[p]" if in_backward else "model.parameters()")
     dev = device
     lines = ["import functools", "import torch", "import torch.nn.functional as F",
              "from torch.utils.checkpoint import checkpoint, checkpoint_sequential", *imports]
-    if in_backward:
-        lines.append("from gpukit.bigmodel import OptimizerInBackward  # PyTorch's recipe: step in a grad hook")
     if c.lora:
         lines.append("from peft import LoraConfig, get_peft_model")
     if c.chunked_loss:
@@ -60,9 +58,18 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
     if c.lora:
         lines.append(f"model = get_peft_model(model, LoraConfig(r={LORA_RANK}, lora_alpha={2 * LORA_RANK}, "
                      f"target_modules={list(search.facts.lora_targets)!r}))  # the weights frozen")
-    if in_backward:
-        lines.append(f"optimizer = OptimizerInBackward(model.parameters(), lambda p: {expression})"
-                     "  # its step() does nothing")
+    if in_backward:  # PyTorch's recipe (its tutorial on fusing the optimizer step into the backward pass)
+        lines += [f"optimizers = {{p: {expression} for p in model.parameters() "
+                  "if p.requires_grad}",
+                  "",
+                  "",
+                  "def step_in_backward(p):  # once p's gradient is complete: step p alone, free its gradient",
+                  "    optimizers[p].step()",
+                  "    optimizers[p].zero_grad(set_to_none=True)",
+                  "",
+                  "",
+                  "for p in optimizers:",
+                  "    p.register_post_accumulate_grad_hook(step_in_backward)"]
     else:
         lines.append(f"optimizer = {expression}")
     if c.precision == "fp16":
@@ -89,7 +96,8 @@ def _loop(c: Candidate, search: _Search, dev: str) -> list[str]:
     if c.precision in ("half", "bf16 weights"):
         cast = "half()" if c.precision == "half" else "bfloat16()"
         lines.append(f"    x = x.{cast} if x.is_floating_point() else x")
-    lines.append("    optimizer.zero_grad(set_to_none=True)")
+    if not c.optimizer.endswith(", in backward"):
+        lines.append("    optimizer.zero_grad(set_to_none=True)")
     ind = "    "
     if k > 1:
         lines.append(f"    for xs, ys in zip(x.chunk({k}), y.chunk({k})):  # {k} micro-batches, one optimizer step")
@@ -113,6 +121,8 @@ def _step(c: Candidate, dev: str, ind: str, body: list[str]) -> list[str]:
         ctx.append(f"torch.autograd.graph.save_on_cpu(pin_memory={dev == 'cuda'})")
     lines = ([f"{ind}with {', '.join(ctx)}:"] + [f"{ind}    {b}" for b in body]) if ctx else [f"{ind}{b}" for b in body]
     lines.append(f"{ind}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
+    if c.optimizer.endswith(", in backward"):
+        return lines  # each parameter was stepped in backward
     lines += ["    scaler.step(optimizer)", "    scaler.update()"] if c.precision == "fp16" else ["    optimizer.step()"]
     return lines
 
@@ -138,7 +148,9 @@ def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
     if c.checkpointed and not search.facts.checkpoint_code:
         compute = f"checkpoint({fn}, model, micro, use_reentrant=False)"
     lines = [""] + ([] if mapping else ["from gpukit.step import map_tensors, split_batch"])
-    lines += ["for batch in loader:", move, "    optimizer.zero_grad(set_to_none=True)"]
+    lines += ["for batch in loader:", move]
+    if not c.optimizer.endswith(", in backward"):
+        lines.append("    optimizer.zero_grad(set_to_none=True)")
     ind = "    "
     if k > 1:
         lines.append(f"    for micro in {split}:  # {k} micro-batches, one optimizer step")
