@@ -153,6 +153,15 @@ class Plan:
                              row.candidate, limit=None if limit is None else parse_bytes(limit), device=device,
                              loss=self._loss)
 
+    def build(self, row: Row, device: str = "cpu"):
+        """A row's candidate as a real run starts it: ``(model, optimizer, step)`` on ``device``, the model in the
+        candidate's precision (with LoRA adapters where it has them) and ``step(model, optimizer, batch)`` its
+        training step (``gpukit.step.train_step`` with its techniques and loss). What ``Plan.run`` steps."""
+        from .verify import build_candidate  # (verify builds on these classes)
+
+        return build_candidate(self._make_model, self.optimizers[row.candidate.optimizer], row.candidate,
+                               device=device, loss=self._loss)
+
     def frame(self):
         """The table as a pandas DataFrame."""
         import pandas as pd

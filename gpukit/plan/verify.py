@@ -37,6 +37,28 @@ def _small_enough(search: _Search, row: Row) -> bool:
     return row.peak is not None and row.peak <= free and row.candidate.strategy == "single GPU"
 
 
+def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device="cpu", loss=None):
+    """``(model, optimizer, step)``: the candidate's model built on ``device`` in its precision (LoRA adapters
+    where it has them), its optimizer, and ``step(model, optimizer, batch)``, its training step (its techniques,
+    a GradScaler kept across steps for float16, saved tensors to the host for offload, its loss)."""
+    dev = torch.device(device)
+    with dev:
+        model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora)()
+    model.to(dev)
+    optimizer = make_optimizer(model.parameters())
+    technique = candidate.technique()
+    scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
+    loss = candidate_loss(candidate, loss)
+
+    def step(model, optimizer, batch):
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
+            else contextlib.nullcontext()
+        with offload:
+            train_step(model, optimizer, batch, technique, scaler, loss=loss)
+
+    return model, optimizer, step
+
+
 def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, *, limit: int | None = None,
                   device: str = "cpu", seed: int = 0, timed_steps: int = 0, loss=None):
     """Build the candidate's model, optimizer and batch on ``device``, run a warm-up step, then one step under
@@ -64,21 +86,11 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
                 pass
             other = r.live_end
         torch.manual_seed(seed)
-        with dev:
-            model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora)()
-        model.to(dev)
-        optimizer = make_optimizer(model.parameters())
+        model, optimizer, train = build_candidate(make_model, make_optimizer, candidate, device=dev, loss=loss)
         batch = map_tensors(lambda t: t.to(dev), make_batch())
-        technique = candidate.technique()
-        scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
-        offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
-            else contextlib.nullcontext()
-
-        loss = candidate_loss(candidate, loss)
 
         def step():
-            with offload:
-                train_step(model, optimizer, batch, technique, scaler, loss=loss)
+            train(model, optimizer, batch)
 
         step()  # warm-up: gradients and optimizer state exist
         cap = contextlib.nullcontext() if limit is None else memory_budget(limit + other, dev)
