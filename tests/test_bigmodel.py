@@ -1,6 +1,8 @@
 """What fits a big model on one GPU, on a small Llama: LoRA (peft), 8-bit optimizer state (bitsandbytes), bfloat16
-weights, the optimizer step in backward. Each step is measured by gpukit and by PyTorch's MemTracker, and
-predicted on fake tensors. Device: cpu (the exact counter; fake tensors for the predictions), no GPU needed."""
+weights, the optimizer step in backward, the chunked loss (gpukit.losses). Each step is measured by gpukit and by
+PyTorch's MemTracker, and predicted on fake tensors. Device: cpu (the exact counter; fake tensors for the predictions), no GPU needed."""
+
+import functools
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 import gpukit
 from gpukit.bigmodel import OptimizerInBackward
 from gpukit.estimate import predict, state_bytes
+from gpukit.losses import chunked_causal_lm_loss
 from gpukit.roles import memtracker_peak
 from gpukit.step import Technique, train_step
 
@@ -48,26 +51,31 @@ def trained(params):
     return [p for p in params if p.requires_grad]
 
 
+def chunked_step(model, optimizer, batch):
+    train_step(model, optimizer, batch, loss=functools.partial(chunked_causal_lm_loss, chunk_tokens=64))
+
+
 CASES = {
-    "lora": (lora, lambda p: adamw(trained(p))),
-    "lora, bf16 base": (lambda: lora(lambda: llama().to(torch.bfloat16)), lambda p: adamw(trained(p))),
-    "8-bit AdamW": (llama, lambda p: bnb.optim.AdamW8bit(p, min_8bit_size=1)),
-    "bf16 weights": (lambda: llama().to(torch.bfloat16), adamw),
-    "optimizer in backward": (llama, lambda p: OptimizerInBackward(p, adamw)),
+    "lora": (lora, lambda p: adamw(trained(p)), hf_step),
+    "lora, bf16 base": (lambda: lora(lambda: llama().to(torch.bfloat16)), lambda p: adamw(trained(p)), hf_step),
+    "8-bit AdamW": (llama, lambda p: bnb.optim.AdamW8bit(p, min_8bit_size=1), hf_step),
+    "bf16 weights": (lambda: llama().to(torch.bfloat16), adamw, hf_step),
+    "optimizer in backward": (llama, lambda p: OptimizerInBackward(p, adamw), hf_step),
+    "chunked loss": (llama, adamw, chunked_step),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_each_technique_is_measured_as_memtracker_measures_it_and_predicted_to_the_byte(case):
-    make_model, make_optimizer = CASES[case]
+    make_model, make_optimizer, step = CASES[case]
     model, batch = make_model(), text_batch()
     optimizer = make_optimizer(model.parameters())
-    hf_step(model, optimizer, batch)  # gradients (where they outlive the step) and optimizer state exist
+    step(model, optimizer, batch)  # gradients (where they outlive the step) and optimizer state exist
     with gpukit.measure("cpu", record=False) as measured:
-        hf_step(model, optimizer, batch)
-    reference = memtracker_peak(lambda: hf_step(model, optimizer, batch), model, optimizer, batch)
+        step(model, optimizer, batch)
+    reference = memtracker_peak(lambda: step(model, optimizer, batch), model, optimizer, batch)
     assert measured.peak_unrounded == reference
-    predicted = predict(make_model, make_optimizer, text_batch, hf_step)
+    predicted = predict(make_model, make_optimizer, text_batch, step)
     assert predicted.step_peak == measured.peak and predicted.before_step == state_bytes(model, optimizer, batch)[0]
     assert not predicted.lower_bound
     assert torch.utils.swap_tensors.__module__ == "torch.utils"  # model.to(dtype) under fake tensors: put back
