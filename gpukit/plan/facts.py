@@ -36,6 +36,7 @@ class _ModelFacts:
     batch_mapping: bool = False  # the batch is a mapping of tensors (a dict, a BatchEncoding): keyword arguments
     lora_targets: tuple[str, ...] = ()  # the modules LoRA would adapt (steps.lora_targets); none: no LoRA candidate
     head_flops: int = 0  # a causal LM's output layer, one forward over the batch; 0: no chunked loss candidate
+    tokens: int = 0  # the batch's tokens (its labels), where head_flops is not 0
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
@@ -139,19 +140,20 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
     targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
-                       mapping, targets, _head_flops(model, batch) if loss is model_loss else 0)
+                       mapping, targets, *(_head_flops(model, batch) if loss is model_loss else (0, 0)))
 
 
-def _head_flops(model: nn.Module, batch) -> int:
-    """FLOPs of a causal LM's output layer over the batch's tokens, where ``gpukit.losses.chunked_causal_lm_loss``
-    can compute its loss (an output embedding, a body giving hidden states, labels in the batch), else 0."""
+def _head_flops(model: nn.Module, batch) -> tuple[int, int]:
+    """FLOPs of a causal LM's output layer over the batch's tokens, and those tokens, where
+    ``gpukit.losses.chunked_causal_lm_loss`` can compute its loss (an output embedding, a body giving hidden states,
+    labels in the batch), else ``(0, 0)``."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     body = getattr(model, "base_model", None)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(head, nn.Linear) or not isinstance(body, nn.Module) or body is model \
             or not torch.is_tensor(labels):
-        return 0
-    return 2 * labels.numel() * head.weight.numel()
+        return 0, 0
+    return 2 * labels.numel() * head.weight.numel(), labels.numel()
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
                   "",
                   "",
                   "for p in optimizers:",
-                  "    p.register_post_accumulate_grad_hook(step_in_backward)"]
+                  "    p.register_post_accumulate_grad_hook(step_in_backward)",
+                  ""]
     else:
         lines.append(f"optimizer = {expression}")
     if c.precision == "fp16":

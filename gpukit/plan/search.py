@@ -26,7 +26,7 @@ from .candidates import (
     Row,
 )
 from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
-from .steps import _model_maker, _offload, _optimizer_only, _slice_batch, _step_for, candidate_loss
+from .steps import CHUNK_TOKENS, _model_maker, _offload, _optimizer_only, _slice_batch, _step_for, candidate_loss
 
 # -- the plan ----------------------------------------------------------------------------------------------------
 
@@ -166,6 +166,8 @@ class _Search:
                             for off in self.offl:
                                 for lora in self.loras:
                                     for chunked in self.chunks:
+                                        if chunked and self.facts.tokens // self.gpus // k <= CHUNK_TOKENS:
+                                            continue  # one chunk: the whole micro-batch's logits, nothing saved
                                         found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked))
         return found
 
@@ -295,8 +297,9 @@ class _Search:
 
     def most_saving(self, c: Candidate) -> Candidate:
         ks = [k for k in self.ks if k == 1 or not c.optimizer.endswith(", in backward")]
-        return Candidate(c.optimizer, c.precision, max(ks), max(self.ckpt), max(self.offl), c.strategy, c.lora,
-                         max(self.chunks))
+        k = max(ks)
+        chunked = max(self.chunks) and self.facts.tokens // self.gpus // k > CHUNK_TOKENS
+        return Candidate(c.optimizer, c.precision, k, max(self.ckpt), max(self.offl), c.strategy, c.lora, chunked)
 
     def amp_bound(self, c: Candidate) -> int:
         """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
