@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from typing import Any, Callable
 
 import torch
@@ -139,6 +140,9 @@ class ValuesWhileBuilding(TorchDispatchMode):
             return self.MADE_UP[kind]
 
 
+_SWAPPING = threading.RLock()
+
+
 @contextlib.contextmanager
 def swappable_fakes(mode: FakeTensorMode | None):
     """Let ``nn.Module.to(dtype)`` convert a fake model's parameters (``model.to(torch.bfloat16)``).
@@ -154,19 +158,20 @@ def swappable_fakes(mode: FakeTensorMode | None):
         yield
         return
     memo = mode.fake_tensor_converter.meta_converter.tensor_memo
-    swap = torch.utils.swap_tensors
 
     def swap_tensors(t1, t2):
         ids = {id(t1), id(t2)}
         for key in [key for key, value in list(memo.items()) if id(value) in ids]:
             memo.pop(key, None)
-        return swap(t1, t2)
+        return swap(t1, t2)  # (the swap_tensors in place when this one was installed)
 
-    torch.utils.swap_tensors = swap_tensors
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = swap
+    with _SWAPPING:  # one at a time: a thread's restore must not undo another's, or leave its function in place
+        swap = torch.utils.swap_tensors
+        torch.utils.swap_tensors = swap_tensors
+        try:
+            yield
+        finally:
+            torch.utils.swap_tensors = swap
 
 
 def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding | None = None) -> nn.Module:

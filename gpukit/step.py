@@ -347,6 +347,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if t.amp is torch.float16 and (scaler is None or not scaler.is_enabled()):
         raise ValueError("float16 autocast needs an enabled torch.amp.GradScaler: pass "
                          "scaler=torch.amp.GradScaler(device.type), kept across steps")
+    from .bigmodel import OptimizerInBackward
+
+    if isinstance(optimizer, OptimizerInBackward) and (t.accumulate > 1 or scaler is not None):
+        raise ValueError("an optimizer stepped in backward (OptimizerInBackward) steps each parameter as soon as "
+                         "its gradient is complete: it cannot wait for more micro-batches (accumulate > 1) or for "
+                         "a GradScaler's check of every gradient; use accumulate=1 and no scaler")
     loss = resolve_loss(loss)
     if loss is None:
         x, y = batch

@@ -242,3 +242,43 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
         fresh = llama(vocab).to(learned[0].dtype)
         assert sum(not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters())) > len(learned) / 2
 
+
+
+def test_what_the_step_in_backward_cannot_do_is_refused_before_anything_runs():
+    from gpukit.step import Technique
+
+    model = llama()
+    optimizer = OptimizerInBackward(model.parameters(), adamw)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="accumulate"):
+        train_step(model, optimizer, text_batch(), Technique(accumulate=2), loss="model")
+    with pytest.raises(ValueError, match="GradScaler"):
+        train_step(model, optimizer, text_batch(), Technique(), torch.amp.GradScaler("cpu"), loss="model")
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="lora="):
+        gpukit.plan(llama, adamw, text_batch, device="cpu", loss="model", lora="yes")
+
+
+def test_predictions_in_two_threads_at_once_leave_torch_as_it_was():
+    """A model converted under fake tensors goes through a replaced torch.utils.swap_tensors while it is built.
+    Two predictions started in two threads: each either predicts or is refused with the counter's own error (one
+    counter drives one simulated device at a time), and torch's function is back in place afterwards."""
+    import threading
+
+    original, results, errors = torch.utils.swap_tensors, [], []
+
+    def run():
+        try:
+            results.append(predict(lambda: llama().to(torch.bfloat16), adamw, text_batch, hf_step).step_peak)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results and len(results) + len(errors) == 2 and len(set(results)) == 1
+    assert all("already drives another simulated device" in e for e in errors)
+    assert torch.utils.swap_tensors is original

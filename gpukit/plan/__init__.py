@@ -149,6 +149,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         speeds[name] = parse_bytes(value)
     if not (isinstance(tflops, (int, float)) and tflops > 0):
         raise ValueError(f"tflops={tflops!r}: the GPU's arithmetic rate in TFLOP/s, a positive number")
+    if not isinstance(lora, bool):
+        raise ValueError(f"lora={lora!r}: True (also try LoRA adapters, where peft is installed) or False")
     if not isinstance(alternatives, int) or alternatives < 0:
         raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
     search = _Search(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
