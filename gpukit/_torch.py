@@ -325,6 +325,34 @@ def set_storage_resize(function) -> None:
     torch.UntypedStorage.resize_ = function
 
 
+# --- calling an op from a dispatch mode -----------------------------------------------------------------------
+# ``OpOverload.__call__`` (torch/_ops.py) is a Python frame that only forwards to the op's C++ entry point, its
+# ``_op``: ``return self._op(*args, **kwargs)``. The counting mode runs every op of a measured block, and calls
+# that entry point itself where the frame does nothing else (checked here against the torch in use, from the
+# method's bytecode); a torch whose ``__call__`` does more, and any other kind of op, is called as itself.
+def _forwarding_call(self, /, *args, **kwargs):
+    return self._op(*args, **kwargs)
+
+
+try:
+    from torch._ops import OpOverload as _OpOverload
+
+    _OP_CALL_ONLY_FORWARDS = (_OpOverload.__call__.__code__.co_code == _forwarding_call.__code__.co_code
+                              and _OpOverload.__call__.__code__.co_names == _forwarding_call.__code__.co_names)
+except (ImportError, AttributeError):  # no such class or method: every op is called as itself
+    _OpOverload, _OP_CALL_ONLY_FORWARDS = None, False
+
+
+def op_entry_point(func):
+    """What runs ``func(*args, **kwargs)``, with the same result and effects: the op's C++ entry point for a
+    plain ``OpOverload`` whose ``__call__`` only forwards to it, else ``func`` itself."""
+    if _OP_CALL_ONLY_FORWARDS and type(func) is _OpOverload:
+        entry = getattr(func, "_op", None)
+        if callable(entry):
+            return entry
+    return func
+
+
 # --- torch.compile (dynamo) and the counting mode ------------------------------------------------------------
 # TorchDispatchMode.__init_subclass__ (torch/utils/_python_dispatch.py) wraps a mode's __torch_dispatch__ in
 # torch._disable_dynamo, so that dynamo never traces it: two wrapper frames (torch/_compile.py ``inner``,
@@ -364,6 +392,9 @@ def let_dynamo_trace_again(code) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
 
 
+_python_dispatch = torch.utils._python_dispatch  # (imported above; a counting mode's last block asks it on exit)
+
+
 def reset_dispatch_mode_flags() -> None:
     """Set torch 2.10's process-wide "a dispatch mode is on" flags from this thread's mode stack.
 
@@ -375,8 +406,7 @@ def reset_dispatch_mode_flags() -> None:
     eagerly without a word. From torch 2.11 dynamo asks the thread's own stack instead
     (``any_torch_dispatch_mode_on_stack``), and this does nothing. Called once no counting mode is left on any
     thread."""
-    from torch.utils import _python_dispatch as dispatch
-
+    dispatch = _python_dispatch
     if hasattr(dispatch, "any_torch_dispatch_mode_on_stack"):
         return
     stack = dispatch._get_current_dispatch_mode_stack()

@@ -65,11 +65,13 @@ import torch
 
 from ._torch import (FakeTensor, TorchDispatchMode, _disable_current_modes, disabled_torch_dispatch_impl,
                      dynamo_code_in_question, is_traceable_wrapper_subclass, let_dynamo_trace_again, never_traced,
-                     reset_dispatch_mode_flags,
+                     op_entry_point, reset_dispatch_mode_flags,
                      set_storage_resize, storage_resize, tree_flatten)
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
+# round_up(n) == (n + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK for every n >= 0 (ALIGNMENT is a power of two)
+_ALIGNMENT_LESS_ONE, _ALIGNMENT_MASK = ALIGNMENT - 1, -ALIGNMENT
 
 
 def allocated_size(nbytes: int) -> int:
@@ -217,6 +219,7 @@ def _claim(refs: dict, ref: _StorageRef) -> bool:
 
 class _PerThread(threading.local):
     mode: "_CountingMode | None" = None  # this thread's counting mode, while it has a block open
+    idle: "_CountingMode | None" = None  # the mode its last block popped, pushed again by its next one
 
 
 def _dispatches(cls: type) -> bool:
@@ -258,9 +261,10 @@ class _CountingMode(TorchDispatchMode):
         try:
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
-            declined, self.declined = self.declined, set()
-            for code in declined:
-                let_dynamo_trace_again(code)
+            if self.declined:
+                declined, self.declined = self.declined, set()
+                for code in declined:
+                    let_dynamo_trace_again(code)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -270,11 +274,10 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         __tracebackhide__ = True  # IPython and pytest end a budget's OutOfMemoryError at the user's op
-        kwargs = kwargs or {}
         if not _PLAIN_TENSORS.issuperset(types) and any(t not in self.own_types and _dispatches(t)
                                                           for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
-                return func(*args, **kwargs)  # fake tensors hold no memory to count here
+                return func(*args, **(kwargs or {}))  # fake tensors hold no memory to count here
             # Another tensor subclass (DTensor...): let it unwrap itself; the ops
             # it runs on plain tensors come back through this mode.
             return NotImplemented
@@ -285,12 +288,13 @@ class _CountingMode(TorchDispatchMode):
         if ledger.quick and not ledger.limits and (listener is None or listener._alloc.allowed_memory_maximum is None):
             # The hot path: the op's new storages are queued, booked in order with the frees at the next
             # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
-            # step comes here, so it is written out: no call but the op and the storage's own methods.
-            out = func(*args, **kwargs)
-            aliases = _ALIASES.get(id(func))  # (by id: an op's own __hash__ is Python code)
-            if aliases is None:
-                aliases = _alias_entry(func)
-            if aliases[1]:  # a view, or an in-place op: no storage made, none resized
+            # step comes here, so it is written out: no call but the op and the storage's own methods. The op
+            # runs through its C++ entry point where its Python __call__ would only forward to it (_alias_entry).
+            entry = _ALIASES.get(id(func))  # (by id: an op's own __hash__ is Python code)
+            if entry is None:
+                entry = _alias_entry(func)
+            out = entry[2](*args, **kwargs) if kwargs else entry[2](*args)
+            if entry[1]:  # a view, or an in-place op: no storage made, none resized
                 if INTERRUPTS.pending:
                     INTERRUPTS.deliver()
                 return out
@@ -313,18 +317,19 @@ class _CountingMode(TorchDispatchMode):
                 key = id(st)
                 known = ledger._refs.get(key)
                 if known is None or known() is not st:
-                    queue = ledger._queue
-                    ref = _StorageRef(st, queue.append)
+                    enqueue = ledger._enqueue
+                    ref = _StorageRef(st, enqueue)
                     ref.key, ref.nbytes, ref.state = key, st.nbytes(), _QUEUED
                     # Queued first: a Ctrl-C between these two lines leaves a record the queue books (and
                     # books once, should the storage be queued again), never a storage known but not counted.
-                    queue.append(ref)
+                    enqueue(ref)
                     ledger._refs[key] = ref
                 elif known.nbytes != st.nbytes():
                     ledger.see_storage(st)  # resized in place (an out= op): booked at once
             if INTERRUPTS.pending:
                 INTERRUPTS.deliver()
             return out
+        kwargs = kwargs or {}
         if ledger.limits:
             ledger.check_request(func, args, kwargs)  # refuse before the memory is taken
         try:
@@ -362,14 +367,14 @@ class _CountingMode(TorchDispatchMode):
 never_traced(_CountingMode.__torch_dispatch__.__code__)
 
 
-# id(op) -> (op, whether it only returns tensors of storages its inputs have: _aliases_only). Keyed by id, since
-# hashing an OpOverload runs Python code (its __hash__) on every op of a measured step; the entry holds the op,
-# so no other object can take its id while the entry exists.
+# id(op) -> (op, whether it only returns tensors of storages its inputs have: _aliases_only, what runs it:
+# op_entry_point). Keyed by id, since hashing an OpOverload runs Python code (its __hash__) on every op of a
+# measured step; the entry holds the op, so no other object can take its id while the entry exists.
 _ALIASES: dict = {}
 
 
 def _alias_entry(func) -> tuple:
-    entry = _ALIASES[id(func)] = (func, _aliases_only(func))
+    entry = _ALIASES[id(func)] = (func, _aliases_only(func), op_entry_point(func))
     return entry
 
 
@@ -535,14 +540,18 @@ class _TensorKinds:
     def __init__(self) -> None:
         self.kinds: frozenset = frozenset()
         self.others: set = set()
+        self.met: set = set()  # kinds | others: a scan whose types are all in it has nothing to ask
 
     def all(self) -> frozenset:
         """Every tensor type that exists now (for a full scan, whose objects are too many to collect types of)."""
         self.kinds = _tensor_types()
+        self.met = self.kinds | self.others
         return self.kinds
 
     def among(self, objects: list) -> frozenset:
         """The tensor types, a superset of those of ``objects``."""
+        if self.met.issuperset(map(type, objects)):  # no type not met before (as a rule): no set to build
+            return self.kinds
         new = set(map(type, objects))
         new -= self.kinds
         new -= self.others
@@ -553,6 +562,7 @@ class _TensorKinds:
             if len(self.others) > self._MAX_OTHERS:
                 self.others.clear()
             self.others |= new - found
+            self.met = self.kinds | self.others
         return self.kinds
 
 
@@ -609,6 +619,7 @@ class Ledger:
         # code runs, so nothing can interrupt it). ``settle`` books them in that order before anything reads a
         # count, so levels and peaks are the same as if each had been booked at once.
         self._queue: collections.deque = collections.deque()
+        self._enqueue = self._queue.append  # the callback of every storage's weak reference (one bound method)
         self.quick = not fake  # whether the counting mode may queue (False while a block books eagerly)
         self._eager = 0  # open blocks that book every allocation as it happens
         self._lock = threading.RLock()  # one thread at a time changes the counts
@@ -620,6 +631,7 @@ class Ledger:
         self._live_rounded = 0
         self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
         self._orig_storage_resize = None
+        self._resize_wrapper = None  # the last UntypedStorage.resize_ wrapper made (its __wrapped__: what it wraps)
         self._tensors: dict[int, _StorageRef] = {}  # every tensor object found by a scan, by id
         self._dead_tensors: collections.deque = collections.deque()  # their references, once dead (as _queue)
         # Generational scans rely on CPython <= 3.13's three-generation collector.
@@ -664,8 +676,9 @@ class Ledger:
         Every open block sees the same changes, so the pass keeps one running change and its highest point
         (rounded and not), and each tally takes them at the end: its peak is its level at the start plus that
         highest point, if higher."""
-        refs, sizes = self._refs, self.sizes
-        live, live_rounded = self._live, self._live_rounded
+        refs, sizes, popleft = self._refs, self.sizes, queue.popleft
+        event = sink.append if sink is not None else None
+        # The live totals move with the running change (each booking adds to both): added once, at the end.
         change = change_unrounded = top = top_unrounded = 0
         try:
             while queue:
@@ -673,17 +686,14 @@ class Ledger:
                 key, state = ref.key, ref.state
                 if state == _QUEUED:  # made inside a block
                     if refs.get(key) is not ref and not _claim(refs, ref):
-                        queue.popleft()
+                        popleft()
                         continue
                     nbytes = ref.nbytes
-                    if sink is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
-                        sink.append((key, nbytes))
+                    if event is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
+                        event((key, nbytes))
                     ref.state = _LIVE
                     sizes[key] = nbytes
-                    rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
-                    live += nbytes
-                    live_rounded += rounded
-                    change += rounded
+                    change += (nbytes + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK  # round_up, written out
                     change_unrounded += nbytes
                     if change > top:
                         top = change
@@ -693,18 +703,16 @@ class Ledger:
                     ref.state = _FREED
                     if refs.get(key) is ref:
                         del refs[key]
-                    if sink is not None:
-                        sink.append((key, 0))
+                    if event is not None:
+                        event((key, 0))
                     nbytes = sizes.pop(key, 0)
                     if nbytes:
-                        rounded = -(-nbytes // ALIGNMENT) * ALIGNMENT
-                        live -= nbytes
-                        live_rounded -= rounded
-                        change -= rounded
+                        change -= (nbytes + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK
                         change_unrounded -= nbytes
-                queue.popleft()
+                popleft()
         finally:
-            self._live, self._live_rounded = live, live_rounded
+            self._live += change_unrounded
+            self._live_rounded += change
             for t in self.tallies:
                 if t.level + top > t.peak:
                     t.peak = t.level + top
@@ -777,7 +785,7 @@ class Ledger:
         key = id(storage)
         if self.listener is not None:  # first: a simulated OOM leaves the storage untracked
             self.listener.on_alloc(key, nbytes, counted)
-        ref = _StorageRef(storage, self._queue.append)
+        ref = _StorageRef(storage, self._enqueue)
         ref.key, ref.nbytes, ref.state = key, nbytes, _LIVE
         self._refs[key] = ref
         self.sizes[key] = nbytes
@@ -909,7 +917,12 @@ class Ledger:
         runs, before = [g["collections"] for g in gc.get_stats()], self._gc_runs
         self._gc_runs = runs
         # The oldest generation collected since the last scan: its survivors moved one generation up.
-        dirty = 2 if before is None else max((gen for gen in range(3) if runs[gen] != before[gen]), default=-1)
+        if before is None or runs[2] != before[2]:
+            dirty = 2
+        elif runs[1] != before[1]:
+            dirty = 1
+        else:
+            dirty = 0 if runs[0] != before[0] else -1
         tensors, dead = self._tensors, self._dead_tensors
         while dead:
             ref = dead.popleft()
@@ -935,7 +948,7 @@ class Ledger:
                     self._read(obj, [])
         obj = found = None
         graph_roots: list = []
-        sizes, plain = self.sizes, (_PLAIN_TENSORS if not self.fake else ())
+        sizes, plain, strided = self.sizes, (_PLAIN_TENSORS if not self.fake else ()), torch.strided
         for ref in list(tensors.values()):
             obj = ref()
             if obj is None:
@@ -945,7 +958,7 @@ class Ledger:
                 continue
             # _read, written out for the common case (parameters, gradients, optimizer state: every block
             # re-reads each of them): a plain tensor's storage, its graph, and a leaf's gradient.
-            if obj.is_cpu and obj.layout is torch.strided:
+            if obj.is_cpu and obj.layout is strided:
                 st = obj.untyped_storage()
                 if id(st) not in sizes:
                     self._track(st, st.nbytes(), counted=False)
@@ -956,8 +969,13 @@ class Ledger:
                     continue
             grad = obj.grad
             if grad is not None:
-                self._adopt(grad)
-        obj = None
+                if type(grad) in plain and grad.is_cpu and grad.layout is strided:  # _adopt's common case
+                    st = grad.untyped_storage()
+                    if id(st) not in sizes:
+                        self._track(st, st.nbytes(), counted=False)
+                else:
+                    self._adopt(grad)
+        obj = grad = st = None
         if graph_roots:
             # Reading a saved tensor runs the unpack hook it was saved with (saved_tensors_hooks) and an op or
             # two (a detach), under whatever modes this thread has: a fake mode would turn a real saved tensor
@@ -1030,10 +1048,16 @@ class Ledger:
             self.adopt_existing()
             tally = Tally(label)
             tally.eager = eager
-            self._forget_dead_threads()
+            if self._pushed:
+                self._forget_dead_threads()
             mode = self._thread.mode
             if mode is None:
-                mode = _CountingMode(self)
+                mode = self._thread.idle
+                if mode is None:
+                    mode = _CountingMode(self)
+                else:
+                    self._thread.idle = None
+                    mode.saw_compile = False  # a new block: warned once more
                 if not self._pushed:
                     self._patch_storage_resize()
                 self._pushed[mode] = threading.current_thread()
@@ -1062,9 +1086,13 @@ class Ledger:
         """
         with self._lock:
             self.settle()
-            if not any(t is tally for t in self.tallies):
+            tallies = self.tallies
+            if tallies and tallies[-1] is tally:  # the innermost block ends, as a rule
+                self.tallies = tallies[:-1]
+            elif any(t is tally for t in tallies):
+                self.tallies = [t for t in tallies if t is not tally]
+            else:
                 return
-            self.tallies = [t for t in self.tallies if t is not tally]
             if tally.eager:
                 self._eager -= 1
                 self.quick = not self.fake and self._eager == 0
@@ -1074,9 +1102,11 @@ class Ledger:
                 self._thread.mode = None
                 try:
                     mode.__exit__(None, None, None)
+                    self._thread.idle = mode  # off the stack, whole: this thread's next block pushes it again
                 finally:
                     del self._pushed[mode]
-            self._forget_dead_threads()
+            if self._pushed:
+                self._forget_dead_threads()
             if not self._pushed:
                 self._unpatch_storage_resize()
                 reset_dispatch_mode_flags()  # torch 2.10: what the threads' modes left set (gpukit._torch)
@@ -1087,8 +1117,15 @@ class Ledger:
             if not thread.is_alive():
                 del self._pushed[mode]
     def _patch_storage_resize(self) -> None:
-        # UntypedStorage.resize_ does not pass through the dispatcher (FSDP uses it).
+        # UntypedStorage.resize_ does not pass through the dispatcher (FSDP uses it). The wrapper is made once
+        # for each method it wraps (torch's own, as a rule) and kept for the next block.
         original = self._orig_storage_resize = storage_resize()
+        wrapper = self._resize_wrapper
+        if wrapper is None or wrapper.__wrapped__ is not original:
+            wrapper = self._resize_wrapper = self._wrap_storage_resize(original)
+        set_storage_resize(wrapper)
+
+    def _wrap_storage_resize(self, original):
         ledger = self
 
         def resize_(storage, size):
@@ -1114,7 +1151,7 @@ class Ledger:
 
         INTERRUPTS.protect(resize_)
         resize_.__wrapped__ = original
-        set_storage_resize(resize_)
+        return resize_
 
     def _unpatch_storage_resize(self) -> None:
         if self._orig_storage_resize is not None:

@@ -31,6 +31,7 @@ from .roles import RoleTracker
 CPU_BACKEND = "exact live-tensor counter"
 CUDA_BACKEND = "CUDA caching allocator"
 SIMULATED_BACKEND = "fake-tensor counter (a simulated device: nothing is allocated)"
+_BACKENDS = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}
 
 
 class CompileRanEagerWarning(UserWarning):
@@ -76,6 +77,8 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     """
     if device is None:
         return default_device()
+    if type(device) is torch.device and device.index is None and device.type in ("cpu", "meta"):
+        return device  # already what the lines below would make of it (a measure() per step asks this)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
@@ -148,7 +151,7 @@ class _LedgerMeter:
         ledger = self.ledger
         with ledger._lock:  # the level where this tally reads zero
             ledger.settle()
-            report.live_start = (ledger.live_rounded if self.label is None
+            report.live_start = (ledger._live_rounded if self.label is None
                                  else ledger.live_by_label.get(self.label, 0)) - tally.level
         self.sim = sim if sim is not None and ledger.listener is sim else None
         if self.sim is not None:
@@ -297,7 +300,7 @@ class measure:
         started = []
         try:
             kind = self.device.type
-            backend = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}[kind]
+            backend = _BACKENDS[kind]
             self.report = MemoryReport(label=self.label, device=device_name(self.device), backend=backend)
             if kind == "cuda":
                 self._meter = _CudaMeter(self.device, self._phases)

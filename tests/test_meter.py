@@ -458,6 +458,36 @@ def test_torch_compile_runs_eagerly_in_a_cpu_block_and_warns_once_at_the_users_l
     assert "on a GPU" in str(eager[0].message)
 
 
+@asks_each_mode
+def test_each_block_warns_of_torch_compile_once(compiled_calls):
+    """A thread's counting mode is pushed again by its next block (not made anew): it still warns once a block."""
+    import warnings
+
+    backend, seen = compiled_calls
+    f = torch.compile(lambda t: t.sin().cos(), backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with gpukit.measure(device="cpu", record=False):
+                f(torch.ones(4))
+                f(torch.ones(4))
+    assert len([w for w in caught if w.category is gpukit.CompileRanEagerWarning]) == 2
+    assert seen == {"compiled": 0, "ran": 0}
+
+
+def test_the_counting_mode_runs_each_op_as_calling_it_does():
+    """The counter calls an op's C++ entry point where the op's Python __call__ only forwards to it."""
+    from gpukit._torch import op_entry_point
+
+    add = torch.ops.aten.add.Tensor
+    a, b = torch.arange(4.0), torch.ones(4)
+    assert torch.equal(op_entry_point(add)(a, b, alpha=2), add(a, b, alpha=2))
+    assert op_entry_point(torch.ops.aten.add) is torch.ops.aten.add  # not an OpOverload: called as itself
+    with gpukit.measure(device="cpu", record=False) as r:
+        c = torch.add(a, b, alpha=2)
+    assert torch.equal(c, a + 2 * b) and r.peak == round_up(4 * 4)
+
+
 def test_no_compile_warning_without_torch_compile_or_outside_a_block(compiled_calls):
     import warnings
 
