@@ -15,8 +15,9 @@ global norm, a GradScaler's unscale and inf check).
 
 ``OptimizerInBackward`` is a ``torch.optim.Optimizer`` so that code written for one (a training step that
 calls ``zero_grad()``, ``backward()``, ``step()``; ``gpukit.step.train_step``; ``predict()``) runs it as it is:
-``zero_grad`` and ``step`` do nothing, ``state`` shows the per-parameter optimizers' state, and
-``optimizers`` holds them. ``remove()`` takes the hooks off the parameters.
+``zero_grad`` and ``step`` do nothing, ``state`` shows the per-parameter optimizers' state, ``state_dict()`` and
+``load_state_dict()`` save and restore theirs, and ``optimizers`` holds them. ``remove()`` takes the hooks off the
+parameters.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ class OptimizerInBackward(torch.optim.Optimizer):
     @state.setter
     def state(self, value) -> None:  # torch.optim.Optimizer.__init__ sets an empty one: the state is the inner ones'
         pass
+
+    def state_dict(self) -> dict:
+        """Each parameter's optimizer's ``state_dict()``, in the order of the parameters."""
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict()`` saved into each parameter's optimizer, in the same order.
+
+        Raises:
+            ValueError: a state dict of another kind, or of another number of parameters.
+        """
+        saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise ValueError(f"an OptimizerInBackward's state_dict() has one entry per trained parameter "
+                             f"({len(self.optimizers)} here); got {type(state_dict).__name__} with "
+                             f"{len(saved) if isinstance(saved, list) else 'no'} 'optimizers' entries")
+        for opt, one in zip(self.optimizers.values(), saved):
+            opt.load_state_dict(one)
 
     def step(self, closure=None):
         """Nothing to do: every parameter was stepped during backward."""

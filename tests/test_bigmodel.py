@@ -282,3 +282,16 @@ def test_predictions_in_two_threads_at_once_leave_torch_as_it_was():
     assert results and len(results) + len(errors) == 2 and len(set(results)) == 1
     assert all("already drives another simulated device" in e for e in errors)
     assert torch.utils.swap_tensors is original
+
+
+def test_the_step_in_backward_saves_and_restores_its_state():
+    batch = text_batch()
+    model = llama()
+    optimizer = OptimizerInBackward(model.parameters(), adamw)
+    hf_step(model, optimizer, batch)
+    saved = optimizer.state_dict()
+    other = OptimizerInBackward(llama().parameters(), adamw)
+    other.load_state_dict(saved)
+    assert [int(st["step"]) for st in other.state.values()] == [1] * len(other.optimizers)
+    with pytest.raises(ValueError, match="one entry per trained parameter"):
+        other.load_state_dict(adamw(llama().parameters()).state_dict())
