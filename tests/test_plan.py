@@ -279,3 +279,26 @@ def test_an_object_passed_where_its_factory_is_expected_is_refused_on_the_cpu(wr
 
 def test_plan_is_exported():
     assert gpukit.plan is plan
+
+
+def test_a_card_gives_the_budget_and_speeds_and_on_a_t4_bfloat16_ranks_after_float16():
+    """Device: none (plans for CUDA on fake tensors). The T4 has no bfloat16 tensor cores (gpukit.cards): where
+    AMP bf16 and AMP fp16 cost alike in the estimate, fp16 comes first on it, bf16 first on an H100 (the order of
+    PRECISIONS); the budget is what torch reports of a T4's memory."""
+    from gpukit.cards import card
+
+    case = gpt_case()
+    options = dict(precisions=("bf16", "fp16"), accumulate=[1], checkpointing=False, offload=False,
+                   implementations=False, lora=False, alternatives=1, verify=False)
+    t4 = plan(*case, card="T4", **options)
+    assert t4.budget == card("t4").torch_total_memory and "NVIDIA T4" in t4.assumptions
+    assert f"{card('t4').fp32_tflops:g} TFLOP/s" in t4.assumptions
+    fitting = [r for r in t4.rows if r.fits and r.need is not None]
+    assert [r.candidate.precision for r in fitting] == ["fp16", "bf16"]
+    assert "no bfloat16 tensor cores" in fitting[1].numerics_note
+    h100 = plan(*case, card="h100", **options)
+    assert [r.candidate.precision for r in h100.rows if r.fits and r.need is not None] == ["bf16", "fp16"]
+    with pytest.raises(ValueError, match="t4"):
+        plan(*case, card="a t5", **options)
+    with pytest.raises(ValueError, match="device='cuda'"):
+        plan(*case, card="t4", device="cpu", **options)

@@ -64,13 +64,14 @@ from .verify import _time_fitting, _verify, run_candidate
 
 
 def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], torch.optim.Optimizer],
-         make_batch: Callable[[], Any], budget: int | str = "24GB", *, device: str = "cuda", gpus: int = 1,
+         make_batch: Callable[[], Any], budget: int | str | None = None, *, device: str = "cuda", gpus: int = 1,
          optimizers: dict[str, Callable] | None = None, implementations: bool = True,
          precisions: tuple[str, ...] = PRECISIONS, accumulate: list[int] | None = None, checkpointing: bool = True,
          offload: bool = True, strategies: tuple[str, ...] | None = None, allowance: int | str | None = None,
-         tflops: float = 100.0, memory_bandwidth: int | str = "2TB", host_bandwidth: int | str = "16GB",
+         tflops: float | None = None, memory_bandwidth: int | str | None = None, host_bandwidth: int | str = "16GB",
          alternatives: int = 2, verify: bool = True,
-         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True) -> Plan:
+         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True,
+         card: str | None = None) -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
@@ -79,7 +80,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             ``BatchEncoding``, tuples, nested) whose tensors share their first dimension. A model that
             already exists (``lambda: model``) is predicted on fake copies and verified on a real copy
             (``copy.deepcopy``): it is never converted or stepped itself.
-        budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes.
+        budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes; default: the card's (what
+            torch reports where a public report is recorded, else its data sheet's), else ``"24GB"``.
         device: ``"cuda"`` (CUDA's code paths, reserved memory, the context allowance) or ``"cpu"``
             (allocated memory, what ``gpukit.budget`` caps on a CPU).
         gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
@@ -98,8 +100,12 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         strategies: with ``gpus > 1``, of ``"DDP"``, ``"ZeRO-1"``, ``"FSDP"`` (default all three).
         allowance: memory beyond PyTorch's (CUDA context, libraries): default ``CONTEXT_ALLOWANCE`` on CUDA, 0 on
             the CPU.
-        tflops, memory_bandwidth, host_bandwidth: the figures the time cost is estimated with (per second;
-            assumed unless you pass your GPU's).
+        tflops, memory_bandwidth, host_bandwidth: the figures the time cost is estimated with (per second):
+            by default the card's float32 TFLOP/s and memory bandwidth (its data sheet's), else 100 TFLOP/s and
+            2 TB/s; host copies 16 GB/s.
+        card: the GPU, by name (``"t4"``, ``"A100 80GB"``, ``torch.cuda.get_device_name()``: ``gpukit.cards``).
+            On a card without bfloat16 tensor cores (the T4), every bfloat16 recipe ranks after the float16 ones
+            of the same cost, and its numerics say why.
         alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
         verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
             this machine (and time each fitting candidate's step here).
@@ -125,9 +131,20 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     check_factories(make_model, make_optimizer, make_batch,
                     batch="lambda: (inputs, targets)" if loss is None else "lambda: batch")
     loss = resolve_loss(loss)
-    limit = parse_bytes(budget)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
+    gpu = None
+    if card is not None:
+        from ..cards import card as find_card
+
+        gpu = find_card(card)
+        if device != "cuda":
+            raise ValueError(f"card={card!r} is a GPU: plan for it with device='cuda'")
+    limit = parse_bytes(budget if budget is not None else
+                        (gpu.torch_total_memory or gpu.memory_bytes) if gpu is not None else "24GB")
+    tflops = tflops if tflops is not None else gpu.fp32_tflops if gpu is not None else 100.0
+    memory_bandwidth = memory_bandwidth if memory_bandwidth is not None else \
+        int(gpu.memory_bandwidth) if gpu is not None else "2TB"
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"gpus={gpus!r}: a whole number of GPUs, 1 or more")
     unknown = [p for p in precisions if p not in PRECISIONS]
@@ -157,7 +174,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
-                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora)
+                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
+                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores)
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):
@@ -168,7 +186,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     note = (f"model: {facts.parameters:,} parameters, batch {facts.batch_size}"
             + (f" ({search.rank_batch} per GPU)" if gpus > 1 else "")
             + f", {facts.forward_flops / 1e9:,.1f} GFLOP per forward; checkpointing: {facts.checkpoint_text}")
-    assumptions = (f"slowdown estimated at {tflops:g} TFLOP/s, memory {format_bytes(speeds['memory_bandwidth'])}/s, "
+    assumptions = ((f"{gpu.name} (its data sheet's figures): " if gpu is not None else "")
+                   + f"slowdown estimated at {tflops:g} TFLOP/s, memory {format_bytes(speeds['memory_bandwidth'])}/s, "
                    f"host copies {format_bytes(speeds['host_bandwidth'])}/s (AMP speed-up and communication not "
                    "counted)")
     code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"

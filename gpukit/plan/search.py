@@ -34,11 +34,12 @@ from .steps import CHUNK_TOKENS, _model_maker, _offload, _optimizer_only, _slice
 class _Search:
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
-                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True):
+                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False):
         self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
         self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
         self.alternatives = alternatives
+        self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
         self.facts = _model_facts(make_model, make_batch, loss)
         # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
         self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
@@ -99,6 +100,8 @@ class _Search:
         if c.precision in ("bf16", "fp16"):
             rank = max(rank, ROUNDING)
             notes.append(f"{'bfloat16' if c.precision == 'bf16' else 'float16'} arithmetic")
+        if self.slow_bf16 and c.precision in ("bf16", "bf16 weights"):
+            notes.append("no bfloat16 tensor cores on this card: slower than float16")
         if c.precision == "half":
             rank = max(rank, TRAINING)
             notes.append("float16 weights and updates, no float32 copy")
@@ -173,7 +176,8 @@ class _Search:
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         rank = self.numerics(c)[0]
-        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), rank, c.accumulate, c.checkpointed,
+        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), self.slow_dtype(c), rank,
+                c.accumulate, c.checkpointed,
                 c.offload, c.chunked_loss, c.lora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
                 STRATEGIES.index(c.strategy))
@@ -329,6 +333,10 @@ class _Search:
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
 
+    def slow_dtype(self, c: Candidate) -> bool:
+        """bfloat16 on a card without bfloat16 tensor cores: after float16 where the estimate counts them alike."""
+        return self.slow_bf16 and c.precision in ("bf16", "bf16 weights")
+
     def cost(self, r: Row) -> float:
         """A row's step time over the plain step's: measured where its step was timed on the planned device, else
         estimated (a CPU's timings say nothing of a GPU's: a CUDA plan checked on a CPU keeps its estimates)."""
@@ -341,6 +349,7 @@ class _Search:
             # Predicted to fit; then dominated (they add techniques to one that fits, and cost more than it); then
             # predicted not to fit; then pruned.
             group = (0 if r.need is not None else 1) if r.fits else 2 if r.need is not None else 3
-            return (group, r.numerics == TRAINING, self.cost(r), r.numerics, r.need if r.need is not None else 0)
+            return (group, r.numerics == TRAINING, self.cost(r), self.slow_dtype(r.candidate), r.numerics,
+                    r.need if r.need is not None else 0)
 
         return sorted(self.rows.values(), key=order)
