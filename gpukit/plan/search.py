@@ -169,8 +169,8 @@ class _Search:
                             for off in self.offl:
                                 for lora in self.loras:
                                     for chunked in self.chunks:
-                                        if chunked and self.facts.tokens // self.gpus // k <= CHUNK_TOKENS:
-                                            continue  # one chunk: the whole micro-batch's logits, nothing saved
+                                        if chunked and not self.chunkable(k):
+                                            continue
                                         found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked))
         return found
 
@@ -302,8 +302,12 @@ class _Search:
     def most_saving(self, c: Candidate) -> Candidate:
         ks = [k for k in self.ks if k == 1 or not c.optimizer.endswith(", in backward")]
         k = max(ks)
-        chunked = max(self.chunks) and self.facts.tokens // self.gpus // k > CHUNK_TOKENS
-        return Candidate(c.optimizer, c.precision, k, max(self.ckpt), max(self.offl), c.strategy, c.lora, chunked)
+        return Candidate(c.optimizer, c.precision, k, max(self.ckpt), max(self.offl), c.strategy, c.lora,
+                         max(self.chunks) and self.chunkable(k))
+
+    def chunkable(self, k: int) -> bool:
+        """Whether a micro-batch of k has more tokens than one chunk of the chunked loss (else it saves nothing)."""
+        return self.facts.tokens // self.gpus // k > CHUNK_TOKENS
 
     def amp_bound(self, c: Candidate) -> int:
         """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the

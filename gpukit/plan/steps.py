@@ -77,18 +77,6 @@ def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = 
     return step
 
 
-def _half_with_float_batchnorm_fake(model: nn.Module) -> nn.Module:
-    """``half_with_float_batchnorm`` for a model of fake tensors, whose ``model.half()`` cannot swap its
-    parameters: each floating-point parameter and buffer outside BatchNorm gets float16 data in place."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            continue
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            if t.is_floating_point():
-                t.data = t.data.half()
-    return model
-
-
 def with_lora(model: nn.Module) -> nn.Module:
     """``model`` with LoRA adapters (``peft.get_peft_model``): its weights frozen, rank-``LORA_RANK`` adapters
     trained on ``lora_targets``."""
@@ -104,10 +92,10 @@ def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = Fal
     (``make_model`` for a real step copies such a model: ``_Search.make_real_model``)."""
 
     def convert(model: nn.Module) -> nn.Module:
-        if precision == "half":
-            model = _half_with_float_batchnorm_fake(model) if fake else half_with_float_batchnorm(model)
-        elif precision == "bf16 weights":
-            with swappable_fakes(active_fake_mode()):
+        with swappable_fakes(active_fake_mode()):  # (fake parameters: see gpukit.factories)
+            if precision == "half":
+                model = half_with_float_batchnorm(model)
+            elif precision == "bf16 weights":
                 model = model.to(torch.bfloat16)
         return with_lora(model) if lora else model
 
@@ -129,10 +117,11 @@ def _optimizer_only(info: dict):
                 p.grad = torch.zeros_like(p)
                 one.step()
                 one.zero_grad(set_to_none=True)
-        for p in model.parameters():
-            if p.requires_grad and not isinstance(optimizer, OptimizerInBackward):
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
+        else:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            optimizer.step()
         info["params"] = sum(round_up(p.untyped_storage().nbytes()) for p in model.parameters())
         info["grads"] = sum(round_up(p.grad.untyped_storage().nbytes()) for p in model.parameters()
                             if p.grad is not None)
