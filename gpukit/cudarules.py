@@ -21,13 +21,21 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   ``device_ready_queues_``, served by the threads ``start_device_threads`` starts): a step whose forward
   and backward both multiply matrices holds two cuBLAS workspaces (and two cuBLASLt ones where both
   threads run ``addmm``). The rule counts them per thread: the caller's, and backward's.
-* Scaled dot-product attention (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash
-  attention for float16/bfloat16 without an attention mask, head dimension the same for q, k, v and
-  at most 256; otherwise memory-efficient attention (float32 too) when head dimensions are multiples
-  of 128 bits / element bits (8 for half, 4 for float32 on sm80+); otherwise the math fallback.
-  Flash saves a float32 logsumexp of (batch, heads, queries), as the CPU kernel does; memory-efficient
-  pads it to a multiple of 32 queries (attention.cu, ``kAlignLSE``). The math fallback saves the
-  attention matrix, which this rule does not model: the prediction is then flagged a lower bound.
+* Scaled dot-product attention (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), for the card's
+  compute capability (sm90 unless a card is named, gpukit.cards): flash attention from sm80, for
+  float16/bfloat16 without an attention mask, head dimension the same for q, k, v and at most 256;
+  otherwise memory-efficient attention from sm50, for float16 and float32 (bfloat16 too from sm80), when
+  head dimensions are multiples of ``minimum_gemm_alignment`` (8 for half; 4 for float32 on sm80+, 1
+  below, where float32 takes no tensor cores); otherwise the math fallback. Flash saves a float32
+  logsumexp of (batch, heads, queries), as the CPU kernel does; memory-efficient pads it to a multiple of
+  32 queries (attention.cu, ``kAlignLSE``). The math fallback is ``_scaled_dot_product_attention_math``
+  (aten/src/ATen/native/transformers/attention.cpp), composite code the same on every device but MPS: it
+  copies float16/bfloat16 inputs to float32 (``allowFP16BF16ReductionMathSDP`` is off by default) and
+  keeps the (batch, heads, queries, keys) attention matrix for backward. Where CUDA takes it, the rule
+  runs the step's attention as that same composite on the CPU (``sdpa_kernel(SDPBackend.MATH)``), so
+  the matrix and the float32 copies are counted as CUDA holds them: a T4 in bfloat16 (no fused kernel
+  takes bfloat16 below sm80), or any card with an attention mask whose head dimension misses the
+  alignment.
 
 * cuDNN's workspaces cannot be predicted from source: a convolution's is the one of the algorithm cuDNN
   picks at run time (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``benchmark`` or heuristics, limited by
@@ -54,14 +62,18 @@ from __future__ import annotations
 import os
 import re
 import threading
+from types import SimpleNamespace
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
 _SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+SM90 = (9, 0)  # Hopper: the card a CUDA prediction is for unless one is named
 _CUDNN_WORKSPACE = {  # CPU op of the step -> what cuDNN adds on CUDA, decided at run time
     "convolution": "on CUDA cuDNN's convolution takes the workspace of the algorithm it picks at run time "
                    "(Conv_v8.cpp); not predictable from source",
@@ -107,16 +119,28 @@ def use_cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> bool:
     return changed
 
 
-def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, has_mask: bool) -> str:
-    """The kernel CUDA picks for these inputs on sm90: "flash", "efficient" or "math" (sdp_utils.cpp)."""
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, has_mask: bool,
+                 capability: tuple[int, int] = SM90) -> str:
+    """The kernel CUDA picks for these inputs on a card of this compute capability: "flash", "efficient" or
+    "math" (sdp_utils.cpp: ``check_flash_attention_hardware_support``, ``check_dtypes_flash_attention``,
+    ``check_mem_efficient_hardware_support``, ``check_head_dim_size_mem_efficient``)."""
+    from .cards import FLASH_SM, MEM_EFFICIENT_SM
+
+    capability = tuple(capability)
     same_dim = query.shape[-1] == key.shape[-1] == value.shape[-1]
     half = query.dtype in (torch.float16, torch.bfloat16)
-    if half and not has_mask and same_dim and query.shape[-1] <= 256:
+    if (half and FLASH_SM[0] <= capability <= FLASH_SM[1] and not has_mask and same_dim
+            and query.shape[-1] <= 256):
         return "flash"
-    alignment = 8 if half else 4
-    if (query.dtype in (torch.float16, torch.bfloat16, torch.float32) and query.shape[-1] == key.shape[-1]
-            and query.shape[-1] % alignment == 0 and value.shape[-1] % alignment == 0):
-        return "efficient"
+    dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
+    if MEM_EFFICIENT_SM[0] <= capability <= MEM_EFFICIENT_SM[1] and query.dtype in dtypes:
+        # minimum_gemm_alignment: 4 from sm80, else 1; 128 bits' worth where tensor cores run (sm80+, or sm70+
+        # for half): 8 half values, 4 float32 ones.
+        tensor_cores = capability >= (8, 0) or (capability >= (7, 0) and half)
+        alignment = max(4 if capability >= (8, 0) else 1, (128 // (16 if half else 32)) if tensor_cores else 1)
+        if (query.shape[-1] == key.shape[-1] and query.shape[-1] % alignment == 0
+                and value.shape[-1] % alignment == 0):
+            return "efficient"
     return "math"
 
 
@@ -144,8 +168,9 @@ _LOWER = (torch.float16, torch.bfloat16)
 class CudaRules(TorchDispatchMode):
     """Applies the CUDA rules above to a fake CPU step; enter it inside the fake mode (above the kernel check)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capability: tuple[int, int] = SM90) -> None:
         super().__init__()
+        self.capability = tuple(capability)  # the card's compute capability: the attention kernels it has
         self.gemm: set[str] = set()     # threads ("forward", "backward") whose matrix products took a cuBLAS handle
         self.gemm_lt: set[str] = set()  # and those that ran a cuBLASLt one (addmm)
         self.sdpa: dict[str, int] = {}  # backend -> calls
@@ -171,12 +196,17 @@ class CudaRules(TorchDispatchMode):
             return exit_(ac, *exc)
 
         cls.__enter__, cls.__exit__ = entered, exited
+        self._math = _MathAttention(self.capability, self.sdpa)  # no cycle back: the rules die with the step
+        self._math.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         cls = torch.amp.autocast_mode.autocast
         cls.__enter__, cls.__exit__ = self._saved
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._math.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -206,7 +236,7 @@ class CudaRules(TorchDispatchMode):
     def _attention(self, func, args, kwargs, out):
         query, key, value = args[:3]
         has_mask = kwargs.get("attn_mask") is not None  # keyword-only in the op's schema
-        backend = sdpa_backend(query, key, value, has_mask)
+        backend = sdpa_backend(query, key, value, has_mask, self.capability)
         self.sdpa[backend] = self.sdpa.get(backend, 0) + 1
         if backend == "math":
             self.unmodelled[str(func)] = ("on CUDA these inputs take the math attention, which saves the "
@@ -223,12 +253,40 @@ class CudaRules(TorchDispatchMode):
     def workspace_blocks(self) -> list[int]:
         """The sizes of the cuBLAS and cuBLASLt workspaces the step's matrix products allocate, one block each:
         per thread that multiplied matrices (the caller's for forward, autograd's device thread for backward)."""
-        return ([cublas_workspace_bytes() for _ in sorted(self.gemm)]
-                + [cublaslt_workspace_bytes() for _ in sorted(self.gemm_lt)])
+        sm90 = self.capability == SM90
+        return ([cublas_workspace_bytes(sm90) for _ in sorted(self.gemm)]
+                + [cublaslt_workspace_bytes(sm90) for _ in sorted(self.gemm_lt)])
 
     def workspaces(self) -> int:
         """Bytes of the cuBLAS and cuBLASLt workspaces the step's matrix products allocate."""
         return sum(self.workspace_blocks())
+
+
+class _MathAttention(TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` as the math composite where CUDA would, on this card, for the dtype
+    the call computes in (autocast's where a region casts it: torch.autocast lists the op as lower precision),
+    so its attention matrix and float32 copies are counted; other calls go on to the CPU's fused kernel."""
+
+    def __init__(self, capability: tuple[int, int], counts: dict[str, int]) -> None:
+        super().__init__()
+        self.capability, self.counts = capability, counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask")
+        given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
+        query = given["query"]
+        dtype = query.dtype
+        if torch.is_autocast_enabled("cpu") and dtype in (torch.float32, *_LOWER):
+            dtype = torch.get_autocast_dtype("cpu")
+        shapes = [SimpleNamespace(shape=given[n].shape, dtype=dtype) for n in names[:3]]
+        if sdpa_backend(*shapes, given.get("attn_mask") is not None, self.capability) != "math":
+            return func(*args, **kwargs)
+        self.counts["math"] = self.counts.get("math", 0) + 1
+        with sdpa_kernel(SDPBackend.MATH):
+            return func(*args, **kwargs)
 
 
 __all__ = ["CudaRules", "TORCH_RULES_VERSION", "cublas_workspace_bytes", "cublaslt_workspace_bytes",

@@ -76,6 +76,7 @@ class Prediction:
     device: str = "cpu"           # whose rules: "cuda" follows PyTorch 2.11's CUDA code paths (gpukit.cudarules)
     workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
+    card: str | None = None       # CUDA: the card whose kernels were chosen (gpukit.cards key); None: Hopper
 
     @property
     def lower_bound(self) -> bool:
@@ -113,7 +114,8 @@ class Prediction:
             rows.append(("reserved at the peak (simulated allocator)", format_bytes(self.reserved_peak)))
         rows += [(f"  {role} (at peak)", format_bytes(n)) for role, n in self.roles_peak.items() if n]
         if self.device == "cuda":
-            rows.insert(0, ("rules", f"CUDA code paths of PyTorch {TORCH_RULES_VERSION} (Hopper), on fake CPU tensors"))
+            gpu = "Hopper" if self.card is None else self.card
+            rows.insert(0, ("rules", f"CUDA code paths of PyTorch {TORCH_RULES_VERSION} ({gpu}), on fake CPU tensors"))
             rows.append(("  cuBLAS workspaces", format_bytes(self.workspaces)))
             rows += [("  attention kernel", f"{k} x{n}") for k, n in self.attention_kernels.items()]
         rows += [(f"  corrected {op}", f"+{format_bytes(n)} per call (fake kernel checked against the real one)")
@@ -135,7 +137,8 @@ def predict(make_model: Callable[[], nn.Module],
             make_optimizer: Callable[[Any], torch.optim.Optimizer],
             make_batch: Callable[[], Any],
             step: Callable[[nn.Module, torch.optim.Optimizer, Any], Any] = default_step,
-            *, warmup_steps: int = 1, modules_depth: int = 1, device: str = "cpu") -> Prediction:
+            *, warmup_steps: int = 1, modules_depth: int = 1, device: str | None = None,
+            card: Any = None) -> Prediction:
     """Predict the memory of one training step exactly, allocating nothing.
 
     Everything is built under ``FakeTensorMode``, so nothing is allocated; real
@@ -154,8 +157,12 @@ def predict(make_model: Callable[[], nn.Module],
         warmup_steps: steps run before the predicted one, so that gradients and
             optimizer state exist as they do in the steady state of training.
         modules_depth: depth of the per-module table (1: the model's children).
-        device: "cpu", or "cuda" to apply what a CUDA run (PyTorch 2.11, Hopper GPU) allocates differently:
-            foreach optimizers by default, cuBLAS workspaces, the attention kernel chosen (gpukit.cudarules).
+        device: "cpu" (the default), or "cuda" to apply what a CUDA run (PyTorch 2.11, Hopper GPU unless ``card``
+            names another) allocates differently: foreach optimizers by default, cuBLAS workspaces, the attention
+            kernel chosen (gpukit.cudarules).
+        card: the GPU the run is for, a ``gpukit.cards.Card`` or its name ("t4", "A100 80GB"...): implies
+            ``device="cuda"`` and picks the attention kernels its compute capability has (a T4 has no fused
+            kernel for bfloat16: the math fallback, with its attention matrix, is counted).
 
     Returns:
         A ``Prediction``.
@@ -173,7 +180,14 @@ def predict(make_model: Callable[[], nn.Module],
             (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
     """
     check_factories(make_model, make_optimizer, make_batch)
-    kind = torch.device(device).type
+    if card is not None:
+        from .cards import Card, card as card_named
+
+        card = card if isinstance(card, Card) else card_named(card)
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"predict(device={device!r}, card={card.key!r}): a card is a CUDA device; "
+                             "leave device out or pass 'cuda'")
+    kind = torch.device(device or ("cuda" if card is not None else "cpu")).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
     # Garbage fake tensors (of an earlier prediction, say) would be placed in the simulated device when it
@@ -182,14 +196,17 @@ def predict(make_model: Callable[[], nn.Module],
     FAKE_LEDGER.settle()
     with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
         prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
-                              collect_young)
+                              collect_young, card)
         collect_young()
     return prediction
 
 
-def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind, collect_young):
+def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind, collect_young, card):
     t0 = time.perf_counter()
-    rules = CudaRules() if kind == "cuda" else contextlib.nullcontext()
+    if kind == "cuda":
+        rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
+    else:
+        rules = contextlib.nullcontext()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
             follow(FAKE_LEDGER) as simulated:
@@ -259,7 +276,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
         seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
-        device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})))
+        device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
+        card=card.key if card is not None else None)
 
 
 @contextlib.contextmanager

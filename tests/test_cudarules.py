@@ -6,7 +6,9 @@ No GPU here: each rule is checked on the CPU against the CPU run of the same cod
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import gpukit
 from gpukit.counter import round_up
 from gpukit.cudarules import cublas_workspace_bytes, sdpa_backend, use_cuda_optimizer_defaults
 from gpukit.estimate import predict
@@ -88,10 +90,82 @@ def test_memory_efficient_attention_pads_its_logsumexp_to_32_queries():
     assert cuda.peak - cuda.workspaces - cpu.peak == round_up(64 * 4 * 64 * 4) - round_up(64 * 4 * 33 * 4)
 
 
-def test_attention_that_takes_the_math_kernel_makes_a_named_lower_bound():
+@pytest.mark.parametrize("capability, dtype, head, mask, kernel", [
+    ((7, 5), torch.float16, 64, False, "efficient"),   # a T4: no flash attention below sm80
+    ((7, 5), torch.bfloat16, 64, False, "math"),       # nor bfloat16 in memory-efficient attention
+    ((7, 5), torch.float32, 6, False, "efficient"),    # float32 takes no tensor cores there: alignment 1
+    ((8, 0), torch.float32, 6, False, "math"),         # alignment 4 from sm80
+    ((8, 0), torch.bfloat16, 64, False, "flash"), ((8, 0), torch.bfloat16, 64, True, "efficient"),
+    ((8, 9), torch.bfloat16, 64, False, "flash"),      # an L4
+    ((12, 2), torch.float16, 64, False, "math"),       # past the kernels' sm121
+])
+def test_the_attention_kernel_follows_sdp_utils_per_compute_capability(capability, dtype, head, mask, kernel):
+    q = torch.empty(2, 4, 16, head, dtype=dtype, device="meta")
+    assert sdpa_backend(q, q, q, mask, capability) == kernel
+
+
+class AttentionOutput(Attention):
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def amp_attention_step(model, optimizer, x):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().sum().backward()  # the sum outside autocast, in float32 as CUDA's would be
+    optimizer.step()
+
+
+def math_attention_step(model, optimizer, x):
+    with sdpa_kernel(SDPBackend.MATH):
+        amp_attention_step(model, optimizer, x)
+
+
+def test_a_t4_in_bfloat16_takes_the_math_attention_and_its_attention_matrix_is_counted():
+    """Device: cpu. On a T4 (sm75) no fused kernel takes bfloat16: attention.cpp's math composite runs, the same
+    code on every device but MPS, which copies q, k, v to float32 and keeps the (batch, heads, queries, keys)
+    matrix. The prediction for the T4 equals the step measured on this CPU with the math kernel forced; for an
+    H100 (flash attention) it equals the CPU's own fused kernel, which keeps no matrix."""
+    make = (lambda: AttentionOutput(64, 4), lambda q: torch.optim.AdamW(q, foreach=True), lambda: torch.randn(2, 256, 64))
+    t4 = predict(*make, amp_attention_step, card="t4")
+    h100 = predict(*make, amp_attention_step, card="h100")
+    assert (t4.attention_kernels, h100.attention_kernels) == ({"math": 2}, {"flash": 2})
+    assert not t4.lower_bound and t4.device == "cuda" and t4.card == "t4"
+    measured = {}
+    for name, step in (("math", math_attention_step), ("flash", amp_attention_step)):
+        torch.manual_seed(0)
+        model, x = make[0](), make[2]()
+        optimizer = make[1](model.parameters())
+        step(model, optimizer, x)  # gradients and AdamW's state exist, as in the prediction's warm-up
+        with gpukit.measure("cpu", record=False) as report:
+            step(model, optimizer, x)
+        measured[name] = report.peak  # above what the step started with
+    assert t4.step_peak == measured["math"] and h100.step_peak == measured["flash"]
+    matrix = 2 * 4 * 256 * 256 * 4  # (batch, heads, queries, keys) in float32
+    assert t4.step_peak - h100.step_peak >= matrix
+
+
+def test_attention_that_takes_the_math_kernel_without_a_card_is_counted_too():
     make = (lambda: Attention(24, 4), lambda q: torch.optim.SGD(q, lr=0.1), lambda: torch.randn(4, 8, 24))
-    p = predict(*make, attention_step, device="cuda")  # head dimension 6: not a multiple of 4
-    assert p.lower_bound and "math" in p.unverified_ops["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    p = predict(*make, attention_step, device="cuda")  # head dimension 6: not a multiple of 4 on sm90
+    cpu = predict(*make, lambda m, o, x: _with_math(attention_step, m, o, x))
+    assert p.attention_kernels == {"math": 2} and not p.lower_bound
+    assert p.step_peak == cpu.step_peak
+
+
+def _with_math(step, *args):
+    with sdpa_kernel(SDPBackend.MATH):
+        step(*args)
+
+
+def test_a_card_is_a_cuda_device():
+    with pytest.raises(ValueError, match="a card is a CUDA device"):
+        predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, device="cpu", card="t4")
+    with pytest.raises(ValueError, match="no GPU card 'v100'"):
+        predict(wide_mlp, lambda q: torch.optim.SGD(q, lr=0.1), batch, card="v100")
 
 
 def test_unknown_devices_are_refused():
