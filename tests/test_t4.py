@@ -1,5 +1,5 @@
 """The notebooks' GPU-sized steps fit a T4, the card Colab and Kaggle lend, before any GPU runs them (on the CPU,
-predicted on fake tensors with CUDA's code paths: device='cuda').
+predicted on fake tensors with the code paths CUDA takes on a T4: card="t4").
 
 The sizes are each notebook's own: its settings cell runs here with torch told that a GPU is present, a T4
 (compute capability 7.5, no bfloat16 tensor cores). Each case predicts the notebook's largest training step,
@@ -120,7 +120,7 @@ def test_the_notebooks_gpu_sized_step_fits_a_t4_with_headroom(name, monkeypatch)
     """Device: cpu (fake tensors), predicting a T4 (cuda)."""
     settings = gpu_settings(name, monkeypatch)
     make_model, make_batch, *step = CASES[name](settings)
-    p = predict(make_model, adam, make_batch, *step, device="cuda")
+    p = predict(make_model, adam, make_batch, *step, card="t4")
     need = p.reserved_peak + CONTEXT_ALLOWANCE
     assert p.reserved_peak >= p.peak > 0
     assert need <= HEADROOM * T4_BYTES, (f"{name}: {need / MiB:,.0f} MiB needed on a T4 "
@@ -131,7 +131,7 @@ def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
     """The same check, on notebook 03's batch eight times over: its activations alone are over 16 GB."""
     settings = gpu_settings("03_gradient_accumulation", monkeypatch)
     make_model, make_batch = mlp_case()({**settings, "BATCH": 8 * settings["BATCH"]})
-    p = predict(make_model, adam, make_batch, device="cuda")
+    p = predict(make_model, adam, make_batch, card="t4")
     assert p.reserved_peak + CONTEXT_ALLOWANCE > HEADROOM * T4_BYTES
 
 
@@ -143,6 +143,6 @@ def test_the_technique_matrix_fits_a_t4_in_notebook_09(monkeypatch):
     settings = gpu_settings("09_gpu_results", monkeypatch)
     for setup in reference_setups(settings["SIZE"]):
         p = predict(setup.make_model, lambda params: torch.optim.AdamW(params), lambda: setup.make_batch(setup.batch),
-                    device="cuda")
+                    card="t4")
         need = p.reserved_peak + CONTEXT_ALLOWANCE
         assert need <= HEADROOM * T4_BYTES, f"{setup.name}: {need / MiB:,.0f} MiB needed on a T4"

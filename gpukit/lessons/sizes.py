@@ -1,0 +1,157 @@
+"""Each lesson's sizes, from the one table that knows the card: the CPU's, a card under 40 GB's (sized and rehearsed
+on a 15 GB T4, Colab's and Kaggle's) and a card of 40 GB or more's (sized and rehearsed on an 80 GB H100).
+
+    from gpukit.lessons.sizes import lesson_settings
+    S = lesson_settings("00_where_memory_goes")
+    DEVICE, BATCH, WIDTH = S.device, S.BATCH, S.WIDTH
+
+A GPU's sizes show the effect in MiB to GiB and fit its card with headroom; the CPU's run in seconds on two cores.
+The sizes are the only thing that differs: a lesson runs the same code on every device, and on a CPU the simulated
+CUDA caching allocator answers where a GPU's own would.
+
+A rehearsal (``python3 kit.py rehearse --card t4``) runs a lesson on the CPU with a card's sizes: the environment
+variable ``GPUKIT_REHEARSE`` names the card (a ``gpukit.cards`` key), the device stays the CPU, and the simulated
+allocator behind the CPU meter gets the card's memory, so what a lesson measures there is what the card would hold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cards import Card, card as card_named
+
+REHEARSE_VAR = "GPUKIT_REHEARSE"
+BIG = 40e9  # bytes: a card with this much memory or more gets the large sizes
+
+# notebook -> tier -> sizes. "gpu" serves both GPU tiers where they agree; "t4" and "h100" where they do not.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "00_where_memory_goes": {
+        "cpu": {"BATCH": 256, "WIDTH": 256, "EXPLORER_BATCHES": (256, 1024, 4096)},
+        "gpu": {"BATCH": 8192, "WIDTH": 4096, "EXPLORER_BATCHES": (4096, 16384, 65536)},  # big enough to see in MiB
+    },
+    "01_no_grad": {
+        "cpu": {"CHANNELS": 32, "EVAL_BATCH": 1024},
+        # At 16,384 images the evaluation that keeps its graph, beside the two without, needs 16.4 GB: a card
+        # under 40 GB gets half the batch (tests/test_t4.py predicts it).
+        "t4": {"CHANNELS": 256, "EVAL_BATCH": 8192},
+        "h100": {"CHANNELS": 256, "EVAL_BATCH": 16384},
+    },
+    "02_mixed_precision": {
+        "cpu": {"WIDTH": 512, "BATCH": 2048, "SPEED_BATCH": 256, "SPEED_STEPS": 5},
+        "gpu": {"WIDTH": 4096, "BATCH": 32768, "SPEED_BATCH": 8192, "SPEED_STEPS": 20},
+    },
+    "03_gradient_accumulation": {
+        "cpu": {"BATCH": 512, "WIDTH": 256},
+        "gpu": {"BATCH": 65536, "WIDTH": 2048},
+    },
+    "04_gradient_checkpointing": {
+        # TIME_SHAPES: (width, batch, repeats) of the timed steps: the training run's shape, and a wider one
+        "cpu": {"WIDTH": 128, "BATCH": 1024, "TIME_SHAPES": [(128, 128, 30), (256, 512, 15)]},
+        "gpu": {"WIDTH": 2048, "BATCH": 8192, "TIME_SHAPES": [(2048, 128, 30), (2048, 8192, 20)]},
+    },
+    "05_half_with_float_batchnorm": {
+        "cpu": {"CHANNELS": 16, "BATCH": 512},
+        "gpu": {"CHANNELS": 128, "BATCH": 8192},
+    },
+    "06_cpu_offload": {
+        # Embedding-table rows: its float32 table, gradient and Adam's two moments take 16 bytes a value; 2**22
+        # rows of 256 take 16 GiB, more than a T4 holds, so a card under 40 GB gets 2**20 (4 GiB).
+        "cpu": {"BUCKETS": 2**16, "EMB": 64, "HIDDEN": 512},
+        "t4": {"BUCKETS": 2**20, "EMB": 256, "HIDDEN": 4096},
+        "h100": {"BUCKETS": 2**22, "EMB": 256, "HIDDEN": 4096},
+    },
+    "07_oom_and_batch_size": {
+        "cpu": {"BUDGET": "8MB", "WIDTH": 256, "DEPTH": 2, "BIG_BATCH": 4096},
+        "gpu": {"BUDGET": "1GB", "WIDTH": 2048, "DEPTH": 2, "BIG_BATCH": 65536},
+    },
+    "09_gpu_results": {
+        "cpu": {"SIZE": "small", "MAX_SECONDS": 1.5},   # SIZE: gpukit.lessons.techniques.SIZES
+        "gpu": {"SIZE": "cuda", "MAX_SECONDS": 10},
+    },
+    "10_everyday_savings": {
+        "cpu": {"BATCH": 512, "WIDTH": 256, "ATT_BATCH": 4, "ATT_HEADS": 4, "HEAD_DIM": 16,
+                "LENGTHS": [128, 256, 384, 512], "RNN_HIDDEN": 128, "RNN_BATCH": 32, "RNN_STEPS": 32,
+                "MS_CHANNELS": 16, "MS_BATCH": 256, "FUSE_SHAPE": (256, 4096)},
+        "gpu": {"BATCH": 8192, "WIDTH": 4096, "ATT_BATCH": 8, "ATT_HEADS": 8, "HEAD_DIM": 64,
+                "LENGTHS": [512, 1024, 1536, 2048], "RNN_HIDDEN": 1024, "RNN_BATCH": 64, "RNN_STEPS": 256,
+                "MS_CHANNELS": 64, "MS_BATCH": 4096, "FUSE_SHAPE": (8192, 8192)},
+    },
+}
+
+
+@dataclass(frozen=True)
+class LessonSettings:
+    """What a lesson's settings cell needs: the device, the card (None on a CPU or an unknown GPU), the tier of
+    sizes ("cpu", "t4": a card under 40 GB, "h100": 40 GB and more) and the sizes themselves, as attributes."""
+
+    notebook: str
+    device: torch.device
+    tier: str
+    card: Card | None
+    sizes: dict[str, Any] = field(default_factory=dict)
+    rehearsal: bool = False       # a card's sizes on the CPU, its memory given to the simulated allocator
+
+    def __getattr__(self, name: str) -> Any:
+        sizes = self.__dict__.get("sizes", {})
+        if name in sizes:
+            return sizes[name]
+        raise AttributeError(f"{self.__dict__.get('notebook')!r} has no size {name!r}: it has {', '.join(sizes)}")
+
+    def __repr__(self) -> str:
+        where = {"cpu": "the CPU's sizes", "t4": "a card under 40 GB's sizes (a T4's)",
+                 "h100": "the sizes of a card with 40 GB or more (an H100's)"}[self.tier]
+        on = f"{self.device}" + (f" ({self.card.name})" if self.card is not None else "")
+        if self.rehearsal:
+            on = f"the CPU, rehearsing {self.card.name}: its memory given to the simulated CUDA allocator"
+        listed = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in self.sizes.items())
+        return f"{self.notebook} on {on}: {where}: {listed}"
+
+
+def rehearsed_card() -> Card | None:
+    """The card a rehearsal runs for (``GPUKIT_REHEARSE``), or None."""
+    name = os.environ.get(REHEARSE_VAR, "").strip()
+    return card_named(name) if name else None
+
+
+def card_memory(c: Card) -> int:
+    """The bytes a card's simulated device gets: what torch reports for it where a report is recorded (a T4's
+    14,930 MiB), else the data sheet's figure (an H100's 80 GB), never more than the card holds."""
+    return c.torch_total_memory or c.memory_bytes
+
+
+def tier_of(total_memory: int) -> str:
+    return "h100" if total_memory >= BIG else "t4"
+
+
+def lesson_settings(notebook: str, device: torch.device | str | None = None) -> LessonSettings:
+    """The sizes of ``notebook`` for the machine it runs on (or ``device``): a GPU's tier by its memory, the CPU's
+    otherwise; in a rehearsal the card's, on the CPU, with the simulated CUDA allocator resized to the card."""
+    if notebook not in SIZES:
+        raise ValueError(f"no sizes for {notebook!r}: the lessons with sizes are {', '.join(SIZES)}")
+    table = SIZES[notebook]
+    rehearsing = rehearsed_card()
+    if rehearsing is not None:
+        from ..allocator import reset_cpu_device
+
+        reset_cpu_device(total_memory=card_memory(rehearsing))
+        tier, dev, found = tier_of(rehearsing.memory_bytes), torch.device("cpu"), rehearsing
+    else:
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        tier, found = "cpu", None
+        if dev.type == "cuda":
+            props = torch.cuda.get_device_properties(dev)
+            tier = tier_of(props.total_memory)
+            try:
+                found = card_named(props.name)
+            except ValueError:
+                found = None  # a card not in gpukit.cards: sized by its memory alone
+    sizes = table.get(tier) or table["gpu"]
+    return LessonSettings(notebook, dev, tier, found, dict(sizes), rehearsal=rehearsing is not None)
+
+
+__all__ = ["lesson_settings", "LessonSettings", "SIZES", "REHEARSE_VAR", "rehearsed_card", "card_memory"]
