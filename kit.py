@@ -8,6 +8,9 @@
     python3 kit.py outputs  run the notebooks on the CPU and store them with their outputs (all, or those named)
     python3 kit.py gpu-check   on a GPU machine: the whole suite on CUDA, the exactness benchmark, the
                                technique matrix recorded in data/runs/, and a report of what differed
+    python3 kit.py rehearse --card t4 [NOTEBOOK...]   run the notebooks on this CPU with the sizes a card gets,
+                            on the simulated CUDA allocator of its memory, every assertion counted; writes
+                            data/rehearsals/CARD.csv (gpukit/lessons/rehearsal.py)
     python3 kit.py links    write each notebook's install cell and the README's "Open in Colab" links from
                             the repository URL in pyproject.toml (then `kit.py outputs` re-stores them)
 
@@ -207,6 +210,10 @@ def outputs(args: list[str]) -> int:
     return subprocess.run([str(VENV_PY), str(ROOT / "tests" / "notebook_outputs.py"), *args], cwd=ROOT).returncode
 
 
+def rehearse(args: list[str]) -> int:
+    return subprocess.run([str(VENV_PY), "-m", "gpukit.lessons.rehearsal", *args], cwd=ROOT).returncode
+
+
 def bench(args: list[str]) -> int:
     return subprocess.run([str(VENV_PY), str(ROOT / "bench" / "run.py"), *args], cwd=ROOT).returncode
 
@@ -362,7 +369,7 @@ def gpu_check(args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    commands = ("lab", "test", "bench", "setup", "gpu-check", "outputs", "links")
+    commands = ("lab", "test", "bench", "setup", "gpu-check", "outputs", "links", "rehearse")
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -380,6 +387,8 @@ def main(argv: list[str]) -> int:
         return gpu_check(rest)
     if command == "outputs":
         return outputs(rest)
+    if command == "rehearse":
+        return rehearse(rest)
     return 0
 
 

@@ -8,7 +8,8 @@ notebook's process holds memory from earlier cells, whose free blocks would serv
 changing the settings of an allocator that already split big blocks is not the same as starting with them
 (PyTorch 2.11's ``release_available_cached_blocks`` frees cached blocks of ``max_split_size_mb`` or more without
 checking that each is a whole segment, and ``cudaFree`` of a split block's address fails with "invalid argument":
-c10/cuda/CUDACachingAllocator.cpp). On a CPU it is the simulated allocator, started afresh.
+c10/cuda/CUDACachingAllocator.cpp). On a CPU it is the simulated allocator, started afresh; afterwards the
+notebook's simulated GPU starts afresh too, with the capacity it had (a rehearsed card's).
 
     python -m gpukit.lessons.fragmentation '{"settings": "", ...}'   # one run, its row pickled to stdout
 """
@@ -87,13 +88,14 @@ def in_fresh_allocator(settings: str = "", device: str | torch.device = "cpu", e
             raise RuntimeError(f"the run with PYTORCH_CUDA_ALLOC_CONF={settings!r} failed:\n{done.stderr[-3000:]}")
         row = pickle.loads(base64.b64decode(done.stdout.strip().splitlines()[-1]))
     else:
-        from gpukit.allocator import reset_cpu_device
+        from gpukit.allocator import cpu_device, reset_cpu_device
 
+        before = cpu_device().allocator  # the card it simulates (a rehearsal's): the device after the run has it too
         reset_cpu_device(config=settings)
         try:
             row = fragmentation_run(device, empty_cache_after_del, **sizes)
         finally:
-            reset_cpu_device()
+            reset_cpu_device(before.total_memory, context_bytes=before.context_bytes)
     return {"settings": settings or "(defaults)", **row}
 
 

@@ -1,0 +1,84 @@
+"""The rehearsal (gpukit.lessons.rehearsal): a notebook run in a fresh kernel for a card, every assertion counted.
+
+Device: cpu; the card is simulated (the CPU meter's allocator given its memory)."""
+
+import csv
+
+import nbformat
+import pytest
+
+from gpukit.lessons import rehearsal
+from gpukit.lessons.sizes import REHEARSE_VAR
+
+LIMIT = 120
+
+
+def notebook(tmp_path, *cells, name="99_lesson"):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# a lesson")] + [nbformat.v4.new_code_cell(c) for c in cells]
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_every_assertion_is_counted_and_a_failing_one_does_not_stop_the_rest(tmp_path):
+    path = notebook(
+        tmp_path,
+        "import os\nCARD = os.environ.get('GPUKIT_REHEARSE')\nassert True",
+        "def check(x):\n    assert x > 0, f'{x} is not positive'\n\nfor x in (1, 2, -3):\n    check(x)",
+        "assert 1 == 2, undefined_name  # its message cannot be made\nafter = 'ran'",
+        "assert after == 'ran'",
+    )
+    row = rehearsal.rehearse(path, "cpu", LIMIT)
+    assert (row["status"], row["assertions"], row["failed"], row["errors"]) == ("complete", 6, 2, 0)
+    assert row["first_failure"] == "line 2: assert x > 0: -3 is not positive"
+    assert row["fits"] and row["card_bytes"] is None and row["host_peak_bytes"] > 0
+
+
+def test_a_card_is_rehearsed_on_its_memory_and_a_step_too_big_for_it_does_not_fit(tmp_path):
+    path = notebook(
+        tmp_path,
+        "import os, torch, gpukit\nfrom gpukit.allocator import cpu_device\n"
+        "assert os.environ['GPUKIT_REHEARSE'] == 't4'\n"
+        "assert cpu_device().allocator.total_memory == 14_930 * 2**20",
+        "with gpukit.measure('cpu', record=False):\n    x = torch.empty(2**28)   # 1 GiB",
+    )
+    row = rehearsal.rehearse(path, "t4", LIMIT)
+    assert (row["status"], row["assertions"], row["failed"]) == ("complete", 2, 0)
+    assert row["peak_allocated_bytes"] >= 2**30 and row["peak_reserved_bytes"] >= 2**30
+    assert row["fits"] and row["host_bytes"] == rehearsal.HOST_BYTES["t4"]
+    # The same notebook with 14 GiB: the simulated T4 cannot hold it beside its context.
+    path = notebook(tmp_path, "import torch, gpukit\nwith gpukit.measure('cpu', record=False):\n"
+                              "    x = torch.empty(14 * 2**28)   # 14 GiB, never written: no host RAM",
+                    name="98_big")
+    row = rehearsal.rehearse(path, "t4", LIMIT)
+    assert row["status"] == "complete" and row["fits"] is False
+    assert row["peak_reserved_bytes"] + row["context_bytes"] > row["card_bytes"]
+
+
+def test_a_notebook_over_the_limit_is_stopped_and_not_counted_as_rehearsed(tmp_path, monkeypatch):
+    monkeypatch.setenv(REHEARSE_VAR, "h100")  # the runner's own setting wins, and is put back
+    path = notebook(tmp_path, "assert True", "import time\ntime.sleep(60)", "assert False")
+    row = rehearsal.rehearse(path, "cpu", 8)
+    assert row["status"].startswith("not rehearsed to its end: over 8 s") and row["fits"] is False
+    assert row["assertions"] == 1  # the report still comes, after the interrupt
+    import os
+
+    assert os.environ[REHEARSE_VAR] == "h100"
+
+
+def test_the_table_is_written_and_a_failure_makes_the_command_fail(tmp_path, monkeypatch):
+    monkeypatch.setattr(rehearsal, "OUT", tmp_path / "rehearsals")
+    good = notebook(tmp_path, "assert 2 + 2 == 4")
+    assert rehearsal.main(["--card", "T4", str(good)]) == 0
+    bad = notebook(tmp_path, "assert 2 + 2 == 5", name="98_bad")
+    assert rehearsal.main(["--card", "t4", str(bad)]) == 1
+    with (tmp_path / "rehearsals" / "t4.csv").open() as f:
+        rows = {r["notebook"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"99_lesson", "98_bad"}  # a notebook run earlier keeps its row
+    assert rows["98_bad"]["failed"] == "1" and rows["99_lesson"]["fits"] == "True"
+    assert set(rehearsal.COLUMNS) <= set(rows["98_bad"])
+    with pytest.raises(ValueError, match="no GPU card 'v100'"):
+        rehearsal.main(["--card", "v100", str(good)])
+    with pytest.raises(SystemExit):
+        rehearsal.main(["--card", "t4", str(tmp_path / "missing.ipynb")])
