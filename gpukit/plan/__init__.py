@@ -21,9 +21,14 @@ How the search stays cheap (every shortcut is stated in the table):
   before the step is counted at its full size.
 * Model state and the optimizer step alone (no forward, no activations) are predicted once per optimizer and
   parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted.
-* Memory goes down as techniques are added (more micro-batches, checkpointing, offload): before the cheapest
-  candidate of a group (optimizer, precision, parallelism) is predicted, the group's most saving one is; if
-  it does not fit, no candidate of the group does.
+* Up to the optimizer step, a step allocates the same whatever the optimizer (not one stepped in backward) but
+  for the optimizer's state: one prediction of a configuration (precision, micro-batches, checkpointing,
+  offload, LoRA, chunked loss) gives, with each optimizer's floor, a lower bound of that configuration with
+  every other optimizer (up to the first backward, with an optimizer stepped in backward). Over the budget:
+  not predicted.
+* Memory goes down as techniques are added (more micro-batches, checkpointing, offload): once two candidates of
+  a group (optimizer, precision, parallelism) were predicted not to fit, the group's most saving one is; if it
+  does not fit, no candidate of the group does.
 * Candidates are predicted cheapest first; once one fits, the costlier ones that only add techniques to a
   fitting one are dominated and never predicted.
 

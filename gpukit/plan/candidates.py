@@ -97,6 +97,7 @@ class Row:
     tolerance: float | None = None
     copy_bytes: int = 0                # offload: bytes to the host and back, per step
     lower_bound: bool = False          # some op's fake kernel was unchecked: the peak may be low
+    bound: int | None = None           # pruned: the lower bound of its need that was over the budget
     prediction: Prediction | None = field(default=None, repr=False)
 
     def cells(self, budget: int) -> dict:

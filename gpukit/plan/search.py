@@ -85,6 +85,9 @@ class _Search:
         self.chunks = [False, True] if self.facts.head_flops else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
+        # Per configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked loss): the most allocated
+        # by the end of the forward, and by the optimizer step, less the optimizer's state (``_Phases``).
+        self.phases: dict[tuple, dict[str, int]] = {}
         self.rows: dict[Candidate, Row] = {}
         self.copies: dict[tuple, int] = {}
         self.found: list[Candidate] = []
@@ -214,6 +217,29 @@ class _Search:
     def lower_bound(self, c: Candidate) -> int:
         return self.floor(c)["peak"] + self.state_change(c) + self.allowance
 
+    def held(self, c: Candidate) -> int:
+        """What the predicted step's batch leaves out of the whole batch held (accumulation's 2 micro-batches)."""
+        n = self.rank_batch // c.accumulate * (1 if c.accumulate == 1 else 2)
+        return self.facts.batch_bytes(self.facts.batch_size) - self.facts.batch_bytes(n)
+
+    def phase_bound(self, c: Candidate, floor: bool = True) -> int | None:
+        """A lower bound of the candidate's need from a prediction of its configuration with another optimizer
+        (None: none yet): that step's allocated peak before its optimizer step (before its first backward, for an
+        optimizer stepped in backward), less its optimizer's state, plus this optimizer's state (its floor's; 0
+        with ``floor=False``, where a sharding formula cannot add less than nothing). Reserved memory is never
+        below allocated, so the bound holds for the reserved need too."""
+        in_backward = c.optimizer.endswith(", in backward")
+        known = self.phases.get(self.configuration(c), {}).get("forward" if in_backward else "backward")
+        if known is None or not (floor or c.strategy in ("single GPU", "DDP")):
+            return None
+        state, change = (self.floor(c)["state"], self.state_change(c)) if floor else (0, 0)
+        return known + state + self.held(c) + change + self.allowance
+
+    @staticmethod
+    def configuration(c: Candidate) -> tuple:
+        """What a prediction depends on but for the optimizer and the parallelism (a rank's step is the same)."""
+        return c.precision, c.accumulate, c.checkpointed, c.offload, c.lora, c.chunked_loss
+
     def evaluate(self, c: Candidate) -> Row:
         if c in self.rows and self.rows[c].need is not None:
             return self.rows[c]
@@ -222,12 +248,14 @@ class _Search:
         proxy_k = 1 if c.accumulate == 1 else 2
         n = micro * proxy_k
         copies = [0]
+        phases: dict = {}
         p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size),
-                    step=_step_for(c, proxy_k, copies, self.loss),
+                    step=_step_for(c, proxy_k, copies, self.loss, phases),
                     device=self.device)
         self.predictions += 1
-        held = self.facts.batch_bytes(self.facts.batch_size) - self.facts.batch_bytes(n)  # the full batch held
+        self.learn_phases(c, p, phases)
+        held = self.held(c)  # the full batch held
         how = ["predicted"]
         if proxy_k != c.accumulate:
             how.append(f"as 2 micro-batches of {micro} with the batch of {self.facts.batch_size} held")
@@ -247,10 +275,35 @@ class _Search:
         self.rows[c] = row
         return row
 
-    def pruned(self, c: Candidate, why: str, fits: bool | None = False) -> None:
+    def learn_phases(self, c: Candidate, p, phases: dict) -> None:
+        """Keep a predicted step's phases for its configuration, where they hold for another optimizer: its
+        optimizer is not stepped in backward, and every trained parameter had a gradient (so every optimizer has
+        state for each, as its floor has)."""
+        if c.optimizer.endswith(", in backward") or not phases.get("every_grad") or "backward" not in phases:
+            return
+        known = self.phases.setdefault(self.configuration(c), {})
+        for phase in ("forward", "backward"):
+            if phase in phases:
+                value = p.before_step + phases[phase] - phases["state"]
+                known[phase] = max(known.get(phase, value), value)
+
+    def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
         self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c), numerics=rank,
-                                    numerics_note=note, tolerance=tol))
+                                    numerics_note=note, tolerance=tol, bound=bound))
+
+    def over(self, c: Candidate) -> int | None:
+        """A lower bound of the candidate's need over the budget, without predicting it (its floor and the phases
+        of its configuration), or None."""
+        for bound in (self.phase_bound(c, floor=False), self.lower_bound(c), self.phase_bound(c)):
+            if bound is not None and bound > self.limit:
+                return bound
+        return None
+
+    def need_at_least(self, c: Candidate) -> int:
+        """The candidate's need, or a lower bound of it over the budget (then it is not predicted)."""
+        bound = self.over(c)
+        return bound if bound is not None else self.evaluate(c).need
 
     # the search ------------------------------------------------------------------------------------------------
 
@@ -269,29 +322,41 @@ class _Search:
             if dominated is not None:
                 self.pruned(c, f"adds techniques to {dominated.label}, which fits", True)
                 continue
+            bound = self.phase_bound(c, floor=False)
+            if bound is not None and bound > self.limit:
+                self.pruned(c, f"its forward and backward alone need {format_bytes(bound)}", bound=bound)
+                continue
+            if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
+                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+                continue
             lower = self.lower_bound(c)
             if lower > self.limit:
-                self.pruned(c, f"model state and optimizer step alone need {format_bytes(lower)}")
+                self.pruned(c, f"model state and optimizer step alone need {format_bytes(lower)}", bound=lower)
+                continue
+            bound = self.phase_bound(c)
+            if bound is not None and bound > self.limit:
+                self.pruned(c, f"its forward and backward with its optimizer's state need {format_bytes(bound)}",
+                            bound=bound)
                 continue
             amp = self.amp_bound(c)
             if amp > self.limit:
                 self.pruned(c, f"autocast at best halves what float32 needs above the model state: at least "
                                f"{format_bytes(amp)} need")
                 continue
-            if c.group not in probed:
-                probed[c.group] = self.evaluate(self.most_saving(c)).fits
-            if not probed[c.group]:
-                if c not in self.rows:
-                    self.pruned(c, "does not fit even with the most micro-batches, checkpointing and offload")
-                continue
-            failed = next((r.candidate for r in self.rows.values() if r.fits is False and r.need is not None
-                           and r.candidate.saves_at_least(c)), None)
+            failed = next((r.candidate for r in self.rows.values() if r.fits is False
+                           and (r.need is not None or r.bound is not None) and r.candidate.saves_at_least(c)), None)
             if failed is not None:
                 if c not in self.rows:
                     self.pruned(c, f"saves no more than {failed.label}, which does not fit")
                 continue
-            if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
-                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+            # The group's most saving candidate is predicted once two of the group were predicted not to fit (the
+            # phases of the first ones' configurations often bound the group's others without it).
+            if c.group not in probed and sum(r.fits is False and r.need is not None and r.candidate.group == c.group
+                                             for r in self.rows.values()) >= 2:
+                probed[c.group] = self.need_at_least(self.most_saving(c)) <= self.limit
+            if not probed.get(c.group, True):
+                if c not in self.rows:
+                    self.pruned(c, "does not fit even with the most micro-batches, checkpointing and offload")
                 continue
             row = self.evaluate(c)
             if row.fits:
@@ -312,15 +377,16 @@ class _Search:
     def amp_bound(self, c: Candidate) -> int:
         """A lower bound for autocast candidates: autocast keeps the float32 state and at best halves what the
         step needs above it, so it needs at least the state plus half of what the float32 group's most saving
-        candidate needs above it (that candidate is predicted for this, where float32 is a precision tried)."""
+        candidate needs above it (where float32 is a precision tried, and that candidate was predicted, or its
+        configuration with another optimizer: ``phase_bound``); else nothing."""
         if c.precision not in ("bf16", "fp16") or "float32" not in self.precisions:
             return 0
         ref = self.most_saving(replace(c, precision="float32"))
         floor = self.lower_bound(ref)
         if floor > self.limit:
             return floor
-        probe = self.evaluate(ref)
-        return floor + max(probe.need - floor, 0) // 2
+        known = self.rows[ref].need if ref in self.rows and self.rows[ref].need is not None else self.phase_bound(ref)
+        return floor + max(known - floor, 0) // 2 if known is not None else 0
 
     def copy_bytes(self, c: Candidate) -> int:
         """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from .._torch import ScalerThatAlwaysSteps, active_fake_mode
 from ..bigmodel import OptimizerInBackward
-from ..counter import round_up
+from ..counter import FAKE_LEDGER, round_up
 from ..factories import fake_model, swappable_fakes
 from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
 from .candidates import Candidate
@@ -63,7 +63,10 @@ def candidate_loss(candidate: Candidate, loss):
     return functools.partial(chunked_causal_lm_loss, chunk_tokens=CHUNK_TOKENS)
 
 
-def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None):
+def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None,
+              phases: dict | None = None):
+    """The candidate's training step, as ``predict()`` runs it. ``phases``: filled by ``_Phases`` in the predicted
+    step (what it allocated by the end of the forward and by the optimizer step, and the optimizer's state)."""
     technique = candidate.technique(accumulate)
     loss = candidate_loss(candidate, loss)
     state: dict = {}
@@ -71,10 +74,87 @@ def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = 
     def step(model, optimizer, batch):
         if technique.amp is torch.float16 and "scaler" not in state:
             state["scaler"] = ScalerThatAlwaysSteps(batch_device(batch).type)  # made inside the fake run
-        with _offload(copies) if candidate.offload else contextlib.nullcontext():
-            train_step(model, optimizer, batch, technique, state.get("scaler"), loss=loss)
+        watch = _Phases(phases, model, optimizer, state.get("scaler")) if phases is not None and FAKE_LEDGER.tallies \
+            else None  # (the warm-up step runs outside the ledger's block)
+        with watch or contextlib.nullcontext(), _offload(copies) if candidate.offload else contextlib.nullcontext():
+            train_step(model, optimizer, batch, technique, state.get("scaler"),
+                       loss=watch.loss(loss) if watch is not None and loss is not None else loss)
 
     return step
+
+
+class _Phases:
+    """Inside the predicted step (the fake ledger's innermost block open): the step's allocated peak above its
+    start by the end of the first forward (the loss returned, else the model's output) into ``phases["forward"]``,
+    by the optimizer step (the GradScaler's, or the optimizer's own) into ``phases["backward"]``; the optimizer's
+    state as the prediction counts it into ``phases["state"]``, and whether every trained parameter has a
+    gradient from the warm-up into ``phases["every_grad"]`` (their state then exists for every one of them).
+
+    Nothing is allocated: the ledger's books are read where they stand (``settle`` books what it queued, in
+    order). Before the optimizer step, the step of any optimizer not stepped in backward allocates the same,
+    but for the optimizer's state (the same model, batch and techniques; zero_grad frees every gradient); before
+    the first backward, an optimizer stepped in backward too."""
+
+    def __init__(self, phases: dict, model: nn.Module, optimizer, scaler) -> None:
+        self.phases, self.model, self.tally = phases, model, FAKE_LEDGER.tallies[-1]
+        self.owners = [o for o in (scaler, optimizer) if o is not None]
+        self.lost = False  # the loss has returned once (a checkpointed whole model computes it again in backward)
+        phases.clear()
+        phases["state"] = optimizer_state_bytes(model, optimizer)
+        phases["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+    def peak(self) -> int:
+        FAKE_LEDGER.settle()
+        return self.tally.peak
+
+    def loss(self, loss):
+        def measured(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            if not self.lost:
+                self.lost = True
+                self.phases["forward"] = self.peak()
+            return value
+
+        return measured
+
+    def __enter__(self):
+        def output(*_):
+            self.phases.setdefault("forward", self.peak())
+
+        def stepping(owner):
+            step = owner.step
+
+            def first(*args, **kwargs):
+                self.phases.setdefault("backward", self.peak())
+                return step(*args, **kwargs)
+
+            return first
+
+        self.hook = self.model.register_forward_hook(output)
+        self.own = [owner.__dict__.get("step") for owner in self.owners]
+        for owner in self.owners:
+            owner.step = stepping(owner)
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+        for owner, own in zip(self.owners, self.own):
+            if own is None:
+                del owner.step  # the class's own again
+            else:
+                owner.step = own
+        return False
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
+    """The optimizer's state as ``gpukit.estimate.state_bytes`` counts it (each storage once, rounded), less what
+    it shares with the model (parameters, buffers, gradients)."""
+    model_storages = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(),
+                                                        *(p.grad for p in model.parameters() if p.grad is not None)]}
+    storages = {id(st): st.nbytes() for st in (v.untyped_storage() for s in optimizer.state.values()
+                                               for v in s.values()
+                                               if torch.is_tensor(v) and v.layout is torch.strided)}
+    return sum(round_up(n) for key, n in storages.items() if key not in model_storages)
 
 
 def with_lora(model: nn.Module) -> nn.Module:
@@ -127,5 +207,6 @@ def _optimizer_only(info: dict):
                             if p.grad is not None)
         info["optimizer_state"] = sum(round_up(v.untyped_storage().nbytes()) for s in optimizer.state.values()
                                       for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        info["state"] = optimizer_state_bytes(model, optimizer)  # all of it, as a prediction counts it
 
     return step
