@@ -298,6 +298,15 @@ def test_a_card_gives_the_budget_and_speeds_and_on_a_t4_bfloat16_ranks_after_flo
     assert "no bfloat16 tensor cores" in fitting[1].numerics_note
     h100 = plan(*case, card="h100", **options)
     assert [r.candidate.precision for r in h100.rows if r.fits and r.need is not None] == ["bf16", "fp16"]
+    # The attention kernels are the card's: bfloat16 has none fused on a T4 (the math kernel keeps the attention
+    # matrix, in float32), float16 has the memory-efficient one; on an H100 both take flash attention.
+    kernels = {(name, r.candidate.precision): r.prediction.attention_kernels
+               for name, p in (("t4", t4), ("h100", h100)) for r in p.rows if r.prediction is not None}
+    assert set(kernels[("t4", "bf16")]) == {"math"} and set(kernels[("t4", "fp16")]) == {"efficient"}
+    assert set(kernels[("h100", "bf16")]) == set(kernels[("h100", "fp16")]) == {"flash"}
+    need = {(name, r.candidate.precision): r.need for name, p in (("t4", t4), ("h100", h100)) for r in p.rows
+            if r.need is not None}
+    assert need[("t4", "bf16")] > need[("t4", "fp16")] and need[("h100", "bf16")] == need[("h100", "fp16")]
     with pytest.raises(ValueError, match="t4"):
         plan(*case, card="a t5", **options)
     with pytest.raises(ValueError, match="device='cuda'"):

@@ -110,7 +110,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             2 TB/s; host copies 16 GB/s.
         card: the GPU, by name (``"t4"``, ``"A100 80GB"``, ``torch.cuda.get_device_name()``: ``gpukit.cards``).
             On a card without bfloat16 tensor cores (the T4), every bfloat16 recipe ranks after the float16 ones
-            of the same cost, and its numerics say why.
+            of the same cost, and its numerics say why; every prediction takes the attention kernels the card
+            has (on a T4 bfloat16 attention runs the math kernel, whose attention matrix is counted).
         alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
         verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
             this machine (and time each fitting candidate's step here).
@@ -180,7 +181,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
                      host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
-                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores)
+                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu)
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):

@@ -34,12 +34,14 @@ from .steps import CHUNK_TOKENS, _model_maker, _offload, _optimizer_only, _slice
 class _Search:
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
-                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False):
+                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False,
+                 card=None):
         self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
         self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
         self.alternatives = alternatives
         self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
+        self.card = card if device == "cuda" else None  # its attention kernels in every prediction (a T4's math one)
         self.facts = _model_facts(make_model, make_batch, loss)
         # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
         self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
@@ -194,7 +196,7 @@ class _Search:
             info: dict = {}
             p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                         lambda: (),
-                        step=_optimizer_only(info), device=self.device)
+                        step=_optimizer_only(info), device=self.device, card=self.card)
             self.predictions += 1
             info["peak"] = p.peak
             self.floors[key] = info
@@ -252,7 +254,7 @@ class _Search:
         p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size),
                     step=_step_for(c, proxy_k, copies, self.loss, phases),
-                    device=self.device)
+                    device=self.device, card=self.card)
         self.predictions += 1
         self.learn_phases(c, p, phases)
         held = self.held(c)  # the full batch held
