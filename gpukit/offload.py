@@ -1,0 +1,281 @@
+"""Optimizer state on the host: what a host-offloading optimizer leaves on the GPU, and the copies it costs a step.
+
+    from torchao.optim import CPUOffloadOptimizer
+    from gpukit.offload import predict_offload
+
+    p = predict_offload(lambda: MyModel(), lambda params: CPUOffloadOptimizer(params, torch.optim.AdamW), make_batch)
+    p.device_peak, p.host_state, p.copies      # bytes on the GPU, bytes on the host, a step's copies each way
+
+torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py) gives each parameter of at least ``minimal_size``
+elements (4,096 by default) a copy of itself and of its gradient in pinned host memory, and an optimizer of its own
+over them on the host (AdamW: fused, on the CPU). A hook on the parameter (``register_post_accumulate_grad_hook``)
+copies its gradient to the host as soon as backward completes it, and frees the GPU's with ``offload_gradients=True``;
+``step()`` steps each host optimizer, then copies the updated parameter back. Smaller parameters keep an optimizer
+on the GPU. So the GPU holds the parameters, their gradients and the activations; the host, per offloaded
+parameter, the parameter, its gradient and the optimizer state (four copies of it with AdamW); and every step
+copies each offloaded gradient to the host and each offloaded parameter back.
+
+``predict_offload`` runs the user's own step with the user's own optimizer on a simulated GPU: the model and the
+batch on ``meta`` under ``FakeTensorMode`` (shapes, no memory), the host on the CPU, also fake. gpukit's counter
+tells the two apart by the device each tensor shows (``gpukit.counter.FAKE_LEDGER``) and rounds each block as the
+CUDA allocator does; ``gpukit.copies`` counts what crosses. Nothing is allocated and no copy happens, so it
+predicts bytes, not time. The activations are those of the kernels the simulated device runs: there
+``scaled_dot_product_attention`` takes the math composite, which keeps the attention matrix that a GPU's fused
+kernels do not (``predict(device="cuda")`` applies CUDA's choice, on one memory). Fake CUDA tensors cannot
+stand for the GPU on a CPU-only PyTorch: autograd aborts the process on the first ``backward`` through one (its
+input metadata asks for a CUDA device guard).
+
+What such an optimizer asks of CUDA itself is stood in by ``cuda_stand_ins()``, each named as the CPU stand-in it
+is. On a GPU, use the optimizer as it is and measure with ``gpukit.measure("cuda")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
+from .counter import FAKE_LEDGER, gc_paused
+from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
+from .report import format_bytes, html_table
+from .step import map_tensors, train_step
+from .traffic import Traffic, copies
+
+SIMULATED_DEVICE = "meta"  # the simulated GPU (DESIGN: "a meta device for a second memory")
+
+# Modules that ask "is there a GPU?" before they build their streams, by the name they hold the question under.
+_DEVICE_PROBES = (("torchao.optim.cpu_offload", "get_available_devices"),)
+_STANDING_IN = threading.RLock()
+
+
+class _Event:
+    """A CUDA event's stand-in: work on one CPU thread is done when the call that queued it returns."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A CUDA stream's stand-in: one CPU thread runs everything in order already, and a stream allocates nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _PlainHostMemory(TorchDispatchMode):
+    """``pin_memory=True`` asked of a factory op, answered with plain host memory: without CUDA there is no pinned
+    allocator, and the bytes are the same (which allocator rounds them, and how, is the difference)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs and kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cuda_stand_ins():
+    """Run an optimizer written for CUDA that keeps its state on the host (torchao's ``CPUOffloadOptimizer``) where
+    there is no GPU: the CPU, or the simulated GPU of ``predict_offload``. Each stand-in, and why the bytes hold:
+
+    * ``torch.cuda.Stream``, ``Event``, ``current_stream`` and ``stream(...)``: streams and events that order
+      nothing. On a GPU they let the copies overlap the kernels; one CPU thread runs everything in order already.
+    * ``Tensor.record_stream``: does nothing. On a GPU it holds a freed block back from reuse until the side
+      stream is done with it, while the block already counts as freed: the CUDA allocator's ``free()`` takes its
+      bytes off the allocated count before it records the events (c10/cuda/CUDACachingAllocator.cpp).
+    * The question "which GPU is there?" of the modules in ``_DEVICE_PROBES`` (torchao asks it in its
+      constructor, and refuses a machine without CUDA): answered "cuda".
+    * ``pin_memory=True``: plain host memory of the same size.
+
+    None of them allocates or copies. Time is what they cannot stand for. Use it on a machine without CUDA; it
+    replaces ``torch.cuda``'s streams for every thread while it is open, one such block at a time.
+    """
+    with _STANDING_IN:
+        cuda = torch.cuda
+        saved = {name: getattr(cuda, name) for name in ("Stream", "Event", "current_stream", "stream")}
+        probes = [(sys.modules[m], name, getattr(sys.modules[m], name)) for m, name in _DEVICE_PROBES
+                  if m in sys.modules and hasattr(sys.modules[m], name)]
+        stream = _Stream()
+        cuda.Stream, cuda.Event = _Stream, _Event
+        cuda.current_stream = lambda device=None: stream
+        cuda.stream = lambda s=None: contextlib.nullcontext()
+        torch.Tensor.record_stream = lambda self, s: None  # (torch.Tensor inherits torch._C.TensorBase's)
+        for module, name, _ in probes:
+            setattr(module, name, lambda: ["cpu", "cuda"])
+        try:
+            with _PlainHostMemory():
+                yield
+        finally:
+            for name, value in saved.items():
+                setattr(cuda, name, value)
+            del torch.Tensor.record_stream
+            for module, name, value in probes:
+                setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _fused_on_the_simulated_device():
+    """``fused=True`` on the simulated GPU: ``torch.optim`` checks a fused optimizer's parameters against the devices
+    with fused kernels (torch/optim/optimizer.py, ``_device_dtype_check_for_fused``), and ``meta`` is not one. The
+    fused op itself has a fake kernel (``torch._fused_adamw_``), which allocates nothing, as CUDA's kernel does not;
+    its ``step`` counter is a float32 tensor on the parameter's device, as on a GPU."""
+    from torch.optim import optimizer as module
+
+    original = module._get_fused_kernels_supported_devices
+    module._get_fused_kernels_supported_devices = lambda: [*original(), SIMULATED_DEVICE]
+    try:
+        yield
+    finally:
+        module._get_fused_kernels_supported_devices = original
+
+
+@dataclass
+class OffloadPrediction:
+    """One training step with memory on two sides, predicted on a simulated GPU: bytes on the device (rounded per
+    block as the CUDA allocator rounds), bytes on the host (rounded the same way), and the copies between them."""
+
+    device_state: int        # on the GPU when a step starts: parameters, gradients left, the batch, state kept there
+    device_step_peak: int    # the step's peak on the GPU above that
+    host_state: int          # on the host when a step starts
+    host_step_peak: int      # the step's peak on the host above that
+    combined_step_peak: int  # the step's peak of both together: where the two are one memory (a run on a CPU)
+    copies: Traffic          # what one step copies each way
+    parameters: int
+    seconds: float = 0.0
+    device: str = field(default="meta (simulated GPU)")
+
+    @property
+    def device_peak(self) -> int:
+        return self.device_state + self.device_step_peak
+
+    @property
+    def host_peak(self) -> int:
+        return self.host_state + self.host_step_peak
+
+    def _rows(self) -> list[tuple[str, str]]:
+        c = self.copies
+        return [("parameters", f"{self.parameters:,}"),
+                ("device", f"{self.device}: fake tensors, nothing allocated, no copy made"),
+                ("GPU when the step starts", format_bytes(self.device_state)),
+                ("GPU peak", f"{format_bytes(self.device_peak)}  ({self.device_peak:,} B)"),
+                ("host when the step starts", format_bytes(self.host_state)),
+                ("host peak", f"{format_bytes(self.host_peak)}  ({self.host_peak:,} B)"),
+                ("copied to the host per step", f"{format_bytes(c.device_to_host)} in {c.copies_to_host} copies"),
+                ("copied to the GPU per step", f"{format_bytes(c.host_to_device)} in {c.copies_to_device} copies"),
+                ("prediction took", f"{self.seconds:.2f} s")]
+
+    TITLE = "predicted training step, GPU and host (fake tensors, nothing allocated)"
+
+    def __repr__(self) -> str:
+        return "\n".join([self.TITLE] + [f"  {k:<30} {v}" for k, v in self._rows()])
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self.TITLE}</b>{html_table(self._rows())}"
+
+
+def predict_offload(make_model: Callable[[], nn.Module],
+                    make_optimizer: Callable[[Any], Any],
+                    make_batch: Callable[[], Any],
+                    step: Callable[[nn.Module, Any, Any], Any] = train_step,
+                    *, warmup_steps: int = 1) -> OffloadPrediction:
+    """Predict a step whose optimizer keeps state on the host: the GPU's bytes, the host's and the copies.
+
+    The model is built on the CPU by ``make_model`` (as ``from_config`` builds it) and moved to the simulated GPU,
+    as ``model.cuda()`` moves it; the batch is moved there too before the step, as a training loop moves it.
+    Then ``make_optimizer`` builds the optimizer over the parameters on the GPU, and ``step`` runs, with
+    ``cuda_stand_ins()`` in force, ``warmup_steps`` times and once more, measured.
+
+    Args:
+        make_model: builds the model, on the CPU.
+        make_optimizer: builds the optimizer over the parameters it is given
+            (``lambda p: CPUOffloadOptimizer(p, torch.optim.AdamW)``); any optimizer works.
+        make_batch: builds one batch, on the CPU.
+        step: runs one training step: ``step(model, optimizer, batch)`` (``gpukit.step.train_step`` by default).
+        warmup_steps: steps before the measured one, so that gradients and optimizer state exist.
+
+    Returns:
+        An ``OffloadPrediction``.
+
+    Raises:
+        TypeError: an object where a factory is expected.
+        ValueError: an optimizer that already exists (``check_optimizer``).
+    """
+    check_factories(make_model, make_optimizer, make_batch)
+    FAKE_LEDGER.settle()
+    t0 = time.perf_counter()
+    with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+            cuda_stand_ins(), _fused_on_the_simulated_device():
+        mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
+        kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
+        try:
+            values = ValuesWhileBuilding()
+            model = fake_model(make_model, values)
+            with swappable_fakes(mode):
+                model.to(SIMULATED_DEVICE)
+            with values:
+                optimizer = make_optimizer(model.parameters())
+            check_optimizer(optimizer)
+            moved: dict[int, torch.Tensor] = {}  # one tensor twice in the batch (labels that are the ids): one copy
+
+            def to_device(t: torch.Tensor) -> torch.Tensor:
+                if id(t) not in moved:
+                    moved[id(t)] = (t if isinstance(t, FakeTensor) else mode.from_tensor(t)).to(SIMULATED_DEVICE)
+                return moved[id(t)]
+
+            made = make_batch()
+            batch = map_tensors(to_device, made)
+            del made, moved
+            for _ in range(warmup_steps):
+                step(model, optimizer, batch)
+            collect_young()  # what the warm-up left is freed before the step, not inside it
+            on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
+            device_state, host_state = kept[0].level, kept[1].level
+            try:
+                with copies() as traffic:
+                    step(model, optimizer, batch)
+            finally:
+                for tally in reversed(on_step):
+                    FAKE_LEDGER.stop(tally)
+            n_params = sum(p.numel() for p in model.parameters())
+        finally:
+            for tally in reversed(kept):
+                FAKE_LEDGER.stop(tally)
+        del model, optimizer, batch
+        collect_young()
+    device, host, both = on_step
+    return OffloadPrediction(device_state=device_state, device_step_peak=device.peak, host_state=host_state,
+                             host_step_peak=host.peak, combined_step_peak=both.peak, copies=traffic,
+                             parameters=n_params, seconds=time.perf_counter() - t0)
+
+
+__all__ = ["cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]
