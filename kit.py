@@ -10,7 +10,7 @@
                                technique matrix recorded in data/runs/, and a report of what differed
     python3 kit.py rehearse --card t4 [NOTEBOOK...]   run the notebooks on this CPU with the sizes a card gets,
                             on the simulated CUDA allocator of its memory, every assertion counted; writes
-                            data/rehearsals/CARD.csv (gpukit/lessons/rehearsal.py)
+                            data/rehearsals/CARD.csv (bench/rehearse.py)
     python3 kit.py links    write each notebook's install cell and the README's "Open in Colab" links from
                             the repository URL in pyproject.toml (then `kit.py outputs` re-stores them)
 
@@ -211,7 +211,7 @@ def outputs(args: list[str]) -> int:
 
 
 def rehearse(args: list[str]) -> int:
-    return subprocess.run([str(VENV_PY), "-m", "gpukit.lessons.rehearsal", *args], cwd=ROOT).returncode
+    return subprocess.run([str(VENV_PY), str(ROOT / "bench" / "rehearse.py"), *args], cwd=ROOT).returncode
 
 
 def bench(args: list[str]) -> int:

@@ -129,7 +129,8 @@ def test_a_t4_in_bfloat16_takes_the_math_attention_and_its_attention_matrix_is_c
     code on every device but MPS, which copies q, k, v to float32 and keeps the (batch, heads, queries, keys)
     matrix. The prediction for the T4 equals the step measured on this CPU with the math kernel forced; for an
     H100 (flash attention) it equals the CPU's own fused kernel, which keeps no matrix."""
-    make = (lambda: AttentionOutput(64, 4), lambda q: torch.optim.AdamW(q, foreach=True), lambda: torch.randn(2, 256, 64))
+    make = (lambda: AttentionOutput(64, 4), lambda q: torch.optim.AdamW(q, foreach=True),
+            lambda: torch.randn(2, 256, 64))
     t4 = predict(*make, amp_attention_step, card="t4")
     h100 = predict(*make, amp_attention_step, card="h100")
     assert (t4.attention_kernels, h100.attention_kernels) == ({"math": 2}, {"flash": 2})

@@ -1,14 +1,21 @@
-"""The rehearsal (gpukit.lessons.rehearsal): a notebook run in a fresh kernel for a card, every assertion counted.
+"""The rehearsal (bench/rehearse.py, gpukit.lessons.rehearsal): a notebook run in a fresh kernel for a card, every
+assertion counted.
 
 Device: cpu; the card is simulated (the CPU meter's allocator given its memory)."""
 
 import csv
+import importlib.util
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from gpukit.lessons import rehearsal
 from gpukit.lessons.sizes import REHEARSE_VAR
+
+_spec = importlib.util.spec_from_file_location("rehearse",
+                                               Path(__file__).resolve().parent.parent / "bench" / "rehearse.py")
+rehearsal = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rehearsal)
 
 LIMIT = 120
 
@@ -82,3 +89,10 @@ def test_the_table_is_written_and_a_failure_makes_the_command_fail(tmp_path, mon
         rehearsal.main(["--card", "v100", str(good)])
     with pytest.raises(SystemExit):
         rehearsal.main(["--card", "t4", str(tmp_path / "missing.ipynb")])
+
+
+def test_the_readme_sums_up_the_recorded_tables():
+    """Device: none. The README's rehearsal section is what the committed tables say (kit.py rehearse writes it)."""
+    text = (rehearsal.ROOT / "README.md").read_text()
+    section = text.split(rehearsal.START)[1].split(rehearsal.END)[0].strip()
+    assert section == rehearsal.readme_section() and "**t4**" in section and "**cpu**" in section

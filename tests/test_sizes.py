@@ -67,7 +67,8 @@ def fake_gpu(monkeypatch, name, total_memory, capability=(8, 0)):
 ])
 def test_a_gpu_gets_the_sizes_of_its_memory(monkeypatch, name, total_memory, tier, key):
     s = lesson_settings("01_no_grad")
-    assert (s.device.type, s.tier, s.card, s.EVAL_BATCH) == ("cpu", "cpu", None, SIZES["01_no_grad"]["cpu"]["EVAL_BATCH"])
+    cpu_batch = SIZES["01_no_grad"]["cpu"]["EVAL_BATCH"]
+    assert (s.device.type, s.tier, s.card, s.EVAL_BATCH) == ("cpu", "cpu", None, cpu_batch)
     fake_gpu(monkeypatch, name, total_memory)
     s = lesson_settings("01_no_grad")
     assert s.device.type == "cuda" and s.tier == tier and not s.rehearsal

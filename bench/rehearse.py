@@ -1,0 +1,204 @@
+"""A rehearsal: each lesson run on this CPU with the sizes a card gets (gpukit.lessons.sizes), on the simulated CUDA
+caching allocator given that card's memory, with every assertion the lesson makes evaluated and counted.
+
+    python3 kit.py rehearse --card t4 [notebooks/01_no_grad.ipynb ...]
+    python3 kit.py rehearse --card cpu             # the CPU's own sizes: the assertion counts to compare with
+
+Each notebook runs in a fresh kernel with ``GPUKIT_REHEARSE`` naming the card. Its cells are rewritten as they run
+(an IPython AST transformer): ``assert test, message`` counts the assertion, records it if it fails and goes on, so
+one failure does not hide the ones after it. After each cell the simulated allocator's peaks are read; at the end
+the kernel's own peak of resident memory. The card's memory holds the peak reserved bytes plus the context allowance
+(gpukit.allocator's ``CONTEXT_ALLOWANCE``) or the lesson does not fit. Colab's T4 runtime also has its host RAM
+checked (``HOST_BYTES``) against ``host_need_bytes``: the kernel's peak resident memory less the simulated device's
+peak allocated bytes, since on this CPU the device's tensors live in host RAM and on a GPU they do not. It is a
+lower bound of the host RAM the lesson needs beside the card (the two peaks need not come at one moment): over
+the limit, the lesson certainly does not fit; under it, probably.
+
+Arithmetic is real: a lesson whose GPU sizes take longer than ``--limit`` seconds on this CPU is stopped and
+recorded as not rehearsed, never as passed. Writes ``data/rehearsals/<card>.csv``, one row per notebook, and exits
+non-zero if an assertion failed, a cell raised, a lesson did not fit or was not rehearsed to its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpukit.lessons.rehearsal import MARK  # noqa: E402
+
+NOTEBOOKS = ROOT / "notebooks"
+OUT = ROOT / "data" / "rehearsals"
+# The host RAM of the runtime a card is lent with, where one is known: Colab's standard runtime with a T4 shows
+# 12.7 GB of system RAM in its resources panel (a reported figure, not measured here).
+HOST_BYTES = {"t4": int(12.7e9)}
+COLUMNS = ["notebook", "card", "status", "assertions", "cpu_assertions", "failed", "errors", "peak_allocated_bytes",
+           "peak_reserved_bytes", "context_bytes", "card_bytes", "host_peak_bytes", "host_need_bytes", "host_bytes",
+           "fits", "seconds", "first_failure"]
+
+
+def rehearse(path: Path, card_key: str, limit: float) -> dict:
+    """Run one notebook for a card ("cpu": its own CPU sizes) and return its row."""
+    import nbclient
+    import nbformat
+    from nbclient.exceptions import DeadKernelError
+
+    from gpukit.allocator import CONTEXT_ALLOWANCE
+    from gpukit.cards import card as card_named
+    from gpukit.lessons.sizes import REHEARSE_VAR, card_memory
+
+    c = None if card_key == "cpu" else card_named(card_key)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import install; install()"))
+    nb.cells.append(nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import report; report()"))
+    row = {"notebook": path.stem, "card": card_key, "status": "complete", "errors": 0,
+           "context_bytes": CONTEXT_ALLOWANCE if c else 0, "card_bytes": card_memory(c) if c else None,
+           "host_bytes": HOST_BYTES.get(card_key)}
+    saved = {k: os.environ.get(k) for k in (REHEARSE_VAR, "MPLBACKEND")}
+    os.environ.pop(REHEARSE_VAR, None)
+    if c is not None:
+        os.environ[REHEARSE_VAR] = c.key
+    os.environ["MPLBACKEND"] = "agg"
+    start = time.perf_counter()
+    # Past the limit the kernel is interrupted (the cell gets a KeyboardInterrupt) and the report cell runs next.
+    client = nbclient.NotebookClient(nb, timeout=int(limit), kernel_name="python3", allow_errors=True,
+                                     interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent)}})
+    last = len(nb.cells) - 1
+    try:
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells[:last]):
+                left = int(limit - (time.perf_counter() - start))
+                if left <= 0:
+                    row["status"] = f"not rehearsed to its end: over {limit:.0f} s at cell {index}"
+                    break
+                if cell.cell_type != "code":
+                    continue
+                client.timeout = left
+                client.execute_cell(cell, index)
+                if time.perf_counter() - start > limit:
+                    row["status"] = f"not rehearsed to its end: over {limit:.0f} s at cell {index}"
+                    break
+                row["errors"] += sum(o.get("output_type") == "error" for o in cell.get("outputs", []))
+            client.timeout = 120
+            client.execute_cell(nb.cells[last], last)
+    except DeadKernelError as e:
+        row["status"] = f"the kernel died: {e}"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    found = next((json.loads(line[len(MARK):]) for o in nb.cells[-1].get("outputs", [])
+                  for line in o.get("text", "").splitlines() if line.startswith(MARK)), None)
+    if found is None:
+        row.update(assertions=None, failed=None, fits=False, first_failure="")
+        return row
+    failures = found.pop("failures")
+    row.update(found, first_failure=failures[0] if failures else "")
+    if not row["first_failure"] and row["errors"]:
+        row["first_failure"] = next(f"{o['ename']}: {o['evalue']}"[:300] for cell in nb.cells
+                                    for o in cell.get("outputs", []) if o.get("output_type") == "error")
+    fits_card = c is None or row["peak_reserved_bytes"] + row["context_bytes"] <= row["card_bytes"]
+    row["host_need_bytes"] = max(row["host_peak_bytes"] - row["peak_allocated_bytes"], 0)
+    fits_host = row["host_bytes"] is None or row["host_need_bytes"] <= row["host_bytes"]
+    row["fits"] = row["status"] == "complete" and fits_card and fits_host
+    return row
+
+
+START, END = "<!-- rehearsals:start -->", "<!-- rehearsals:end -->"
+
+
+def readme_section(folder: Path | None = None) -> str:
+    """The README's summary of the recorded tables: per card, one line per notebook."""
+    folder = folder or OUT
+    lines = []
+    for table in sorted(folder.glob("*.csv"), key=lambda p: (p.stem != "cpu", p.stem)):
+        with table.open() as f:
+            rows = list(csv.DictReader(f))
+        lines += [f"**{table.stem}** (`data/rehearsals/{table.name}`)", "",
+                  "| notebook | status | assertions (CPU run) | failed | errors | reserved peak + context "
+                  "| host beside it | fits |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            reserved = int(r["peak_reserved_bytes"] or 0) + int(r["context_bytes"] or 0)
+            card = f" of {int(r['card_bytes']) / 2**30:,.1f} GiB" if r["card_bytes"] else ""
+            need = r.get("host_need_bytes") or max(int(r["host_peak_bytes"] or 0)
+                                                   - int(r["peak_allocated_bytes"] or 0), 0)
+            host = f"{int(need) / 2**30:.1f} GiB"
+            counts = f"{r['assertions'] or '-'}" + (f" ({r['cpu_assertions']})" if r["cpu_assertions"] else "")
+            lines.append(f"| `{r['notebook']}` | {r['status']} | {counts} | {r['failed'] or '-'} | {r['errors']} "
+                         f"| {reserved / 2**30:,.2f} GiB{card} | {host} | {r['fits']} |")
+        lines.append("")
+    return "\n".join(lines).strip()
+
+
+def write_readme(readme: Path | None = None) -> None:
+    """Replace what lies between the README's rehearsal markers with ``readme_section()``."""
+    readme = readme or ROOT / "README.md"
+    text = readme.read_text()
+    if text.count(START) != 1 or text.count(END) != 1:
+        return  # a README without the section (an installed copy): nothing to update
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    readme.write_text(f"{head}{START}\n{readme_section()}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kit.py rehearse", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--card", required=True, help="a gpukit.cards key (t4, h100...) or 'cpu'")
+    parser.add_argument("--limit", type=float, default=600.0, help="seconds a notebook may run (default 600)")
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    args = parser.parse_args(argv)
+    if args.card != "cpu":
+        from gpukit.cards import card as card_named
+
+        args.card = card_named(args.card).key  # an unknown card: ValueError listing the cards
+    paths = [p.resolve() for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    missing = [str(p) for p in paths if p.suffix != ".ipynb" or not p.is_file()]
+    if missing:
+        parser.error(f"not notebooks: {', '.join(missing)}")
+    counts = {}
+    cpu_table = OUT / "cpu.csv"
+    if args.card != "cpu" and cpu_table.is_file():
+        with cpu_table.open() as f:
+            counts = {r["notebook"]: r["assertions"] for r in csv.DictReader(f)}
+    table = OUT / f"{args.card}.csv"
+    rows = {}
+    if table.is_file():  # rows of notebooks not run now are kept
+        with table.open() as f:
+            rows = {r["notebook"]: r for r in csv.DictReader(f)}
+    bad = 0
+    for path in paths:
+        row = rehearse(path, args.card, args.limit)
+        row["cpu_assertions"] = counts.get(path.stem, "")
+        rows[path.stem] = row
+        ok = (row["status"] == "complete" and row["failed"] == 0 and row["errors"] == 0 and row["fits"]
+              and (row["cpu_assertions"] in ("", str(row["assertions"]))))
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {path.stem}: {row['status']}, {row['assertions']} assertions "
+              f"({row['failed']} failed, {row['errors']} errors), reserved peak "
+              f"{(row.get('peak_reserved_bytes') or 0) / 2**20:,.0f} MiB, host beside it "
+              f"{(row.get('host_need_bytes') or 0) / 2**30:.1f} GiB, {row['seconds']} s"
+              + (f"\n     {row['first_failure']}" if row["first_failure"] else ""), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    with table.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for name in sorted(rows):
+            writer.writerow(rows[name])
+    print(f"written: {table}")
+    if OUT == ROOT / "data" / "rehearsals":
+        write_readme()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
