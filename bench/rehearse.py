@@ -26,6 +26,7 @@ import csv
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,8 +45,10 @@ COLUMNS = ["notebook", "card", "status", "assertions", "cpu_assertions", "failed
            "fits", "seconds", "first_failure"]
 
 
-def rehearse(path: Path, card_key: str, limit: float) -> dict:
-    """Run one notebook for a card ("cpu": its own CPU sizes) and return its row."""
+def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> dict:
+    """Run one notebook for a card ("cpu": its own CPU sizes) and return its row. Past ``limit`` seconds the kernel
+    is interrupted; one that is still busy ``grace`` seconds later (code that catches the interrupt, a long op that
+    does not return to Python) is killed, and the row says so."""
     import nbclient
     import nbformat
     from nbclient.exceptions import DeadKernelError
@@ -71,26 +74,40 @@ def rehearse(path: Path, card_key: str, limit: float) -> dict:
     client = nbclient.NotebookClient(nb, timeout=int(limit), kernel_name="python3", allow_errors=True,
                                      interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent)}})
     last = len(nb.cells) - 1
+    def stop(why: str) -> None:  # the first reason stays
+        if row["status"] == "complete":
+            row["status"] = why
+
+    def kill() -> None:  # the interrupt was not enough
+        process = getattr(getattr(client.km, "provisioner", None), "process", None)
+        if process is not None and process.poll() is None:
+            stop(f"not rehearsed to its end: over {limit:.0f} s, and killed {grace:.0f} s after")
+            process.kill()
+
+    watchdog = threading.Timer(limit + grace, kill)
+    watchdog.daemon = True
     try:
         with client.setup_kernel():
+            watchdog.start()
             for index, cell in enumerate(nb.cells[:last]):
                 left = int(limit - (time.perf_counter() - start))
                 if left <= 0:
-                    row["status"] = f"not rehearsed to its end: over {limit:.0f} s at cell {index}"
+                    stop(f"not rehearsed to its end: over {limit:.0f} s at cell {index}")
                     break
                 if cell.cell_type != "code":
                     continue
                 client.timeout = left
                 client.execute_cell(cell, index)
                 if time.perf_counter() - start > limit:
-                    row["status"] = f"not rehearsed to its end: over {limit:.0f} s at cell {index}"
+                    stop(f"not rehearsed to its end: over {limit:.0f} s at cell {index}")
                     break
                 row["errors"] += sum(o.get("output_type") == "error" for o in cell.get("outputs", []))
             client.timeout = 120
             client.execute_cell(nb.cells[last], last)
     except DeadKernelError as e:
-        row["status"] = f"the kernel died: {e}"
+        stop(f"the kernel died: {e}")
     finally:
+        watchdog.cancel()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -134,7 +151,7 @@ def readme_section(folder: Path | None = None) -> str:
                                                    - int(r["peak_allocated_bytes"] or 0), 0)
             host = f"{int(need) / 2**30:.1f} GiB"
             counts = f"{r['assertions'] or '-'}" + (f" ({r['cpu_assertions']})" if r["cpu_assertions"] else "")
-            lines.append(f"| `{r['notebook']}` | {r['status']} | {counts} | {r['failed'] or '-'} | {r['errors']} "
+            lines.append(f"| {r['notebook']} | {r['status']} | {counts} | {r['failed'] or '-'} | {r['errors']} "
                          f"| {reserved / 2**30:,.2f} GiB{card} | {host} | {r['fits']} |")
         lines.append("")
     return "\n".join(lines).strip()
@@ -149,6 +166,15 @@ def write_readme(readme: Path | None = None) -> None:
     head, rest = text.split(START)
     _, tail = rest.split(END)
     readme.write_text(f"{head}{START}\n{readme_section()}\n{END}{tail}")
+
+
+def write_table(table: Path, rows: dict[str, dict]) -> None:
+    table.parent.mkdir(parents=True, exist_ok=True)
+    with table.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for name in sorted(rows):
+            writer.writerow(rows[name])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,17 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         ok = (row["status"] == "complete" and row["failed"] == 0 and row["errors"] == 0 and row["fits"]
               and (row["cpu_assertions"] in ("", str(row["assertions"]))))
         bad += not ok
+        write_table(table, rows)  # after each notebook: a later one that hangs loses nothing
         print(f"{'ok  ' if ok else 'FAIL'} {path.stem}: {row['status']}, {row['assertions']} assertions "
               f"({row['failed']} failed, {row['errors']} errors), reserved peak "
               f"{(row.get('peak_reserved_bytes') or 0) / 2**20:,.0f} MiB, host beside it "
               f"{(row.get('host_need_bytes') or 0) / 2**30:.1f} GiB, {row['seconds']} s"
               + (f"\n     {row['first_failure']}" if row["first_failure"] else ""), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    with table.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for name in sorted(rows):
-            writer.writerow(rows[name])
     print(f"written: {table}")
     if OUT == ROOT / "data" / "rehearsals":
         write_readme()

@@ -66,12 +66,18 @@ def test_a_card_is_rehearsed_on_its_memory_and_a_step_too_big_for_it_does_not_fi
 def test_a_notebook_over_the_limit_is_stopped_and_not_counted_as_rehearsed(tmp_path, monkeypatch):
     monkeypatch.setenv(REHEARSE_VAR, "h100")  # the runner's own setting wins, and is put back
     path = notebook(tmp_path, "assert True", "import time\ntime.sleep(60)", "assert False")
-    row = rehearsal.rehearse(path, "cpu", 8)
-    assert row["status"].startswith("not rehearsed to its end: over 8 s") and row["fits"] is False
+    row = rehearsal.rehearse(path, "cpu", 6)
+    assert row["status"].startswith("not rehearsed to its end: over 6 s") and row["fits"] is False
     assert row["assertions"] == 1  # the report still comes, after the interrupt
     import os
 
     assert os.environ[REHEARSE_VAR] == "h100"
+    # A kernel that ignores the interrupt is killed once the grace time is over; the row says so.
+    stubborn = notebook(tmp_path, "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
+                        name="97_stubborn")
+    row = rehearsal.rehearse(stubborn, "cpu", 5, grace=5)
+    assert row["status"] == "not rehearsed to its end: over 5 s, and killed 5 s after"
+    assert row["assertions"] is None and row["fits"] is False and row["seconds"] < 30
 
 
 def test_the_table_is_written_and_a_failure_makes_the_command_fail(tmp_path, monkeypatch):
