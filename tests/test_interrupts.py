@@ -12,6 +12,7 @@ KeyboardInterrupt handler, and Ctrl-C must stay ignored inside a block as outsid
 import gc
 
 import os
+import pathlib
 import signal
 import sys
 
@@ -23,7 +24,8 @@ import gpukit
 from gpukit.counter import INTERRUPTS, LEDGER, round_up
 
 HERE = os.path.dirname(gpukit.__file__)
-TRACED = tuple(os.path.join(HERE, f) for f in ("counter.py", "meter.py", "budget.py", "roles.py")) + (
+COUNTER = sorted(str(p) for p in pathlib.Path(HERE, "counter").glob("*.py"))  # the counter package, every module
+TRACED = tuple(COUNTER) + tuple(os.path.join(HERE, f) for f in ("meter.py", "budget.py", "roles.py")) + (
     os.path.join(os.path.dirname(torch.__file__), "utils", "_python_dispatch.py"),)
 
 
