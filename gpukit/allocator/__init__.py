@@ -70,20 +70,25 @@ deterministic: same state, same events, same outcome), so following a training l
 nothing once it is steady (``python3 kit.py bench allocator``).
 
 The modules follow PyTorch's own split: ``config`` the settings (``CUDAAllocatorConfig``), ``caching`` the
-policy with its blocks, pools, statistics and OOM error (``CUDACachingAllocator.cpp``), ``device`` the simulated
-device the counter feeds, ``replay`` recorded traces, ``plots`` the segment map. Every name is importable
-from ``gpukit.allocator``.
+policy (``CUDACachingAllocator.cpp``: the allocator's state and ``malloc``), with its named parts beside it:
+``blocks`` (blocks, pools, segments), ``stats`` (``memory_stats``, ``memory_summary``), ``driver`` (segments from
+the driver and back), ``expandable`` (expandable segments), ``free`` (``free`` and stream events), ``oom`` (the
+out-of-memory error) and ``snapshot`` (segments, snapshot, state key); ``device`` the simulated device the
+counter feeds, ``replay`` recorded traces, ``plots`` the segment map. Every name is importable from
+``gpukit.allocator``.
 
 Validated against PyTorch's own allocator tests and recorded traces: tests/test_allocator.py.
 """
 
-from .caching import (OOM_ADVICE, POOL_NAMES, SIMULATED, STAT_NAMES, Block, BlockPool, CachingAllocator,
-                      ExpandableSegment, SimulatedOutOfMemoryError, format_size)
+from .blocks import Block, BlockPool, ExpandableSegment
+from .caching import SIMULATED, CachingAllocator
 from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMB, kMinBlockSize, kMinLargeAlloc,
                      kRoundLarge, kRoundUpPowerOfTwoIntervals, kSmallBuffer, kSmallSize, roundup_power2_next_division)
 from .device import SimulatedDevice, cpu_device, follow, replay_events, reset_cpu_device, set_cpu_simulation
+from .oom import OOM_ADVICE, SimulatedOutOfMemoryError, format_size
 from .plots import plot_segments
 from .replay import ReplayReport, config_of_snapshot, load_snapshot, replay, save_compact
+from .stats import POOL_NAMES, STAT_NAMES
 
 __all__ = ["AllocatorConfig", "Block", "BlockPool", "CONTEXT_ALLOWANCE", "CachingAllocator", "ExpandableSegment",
            "OOM_ADVICE", "POOL_NAMES", "ReplayReport", "SIMULATED", "SIZE_MAX", "STAT_NAMES", "SimulatedDevice",
