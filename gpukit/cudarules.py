@@ -1,7 +1,9 @@
 """What a CUDA run allocates differently from the CPU run a prediction simulates: ``predict(..., device="cuda")``.
 
-Fake CUDA tensors cannot be made on a CPU-only installation, so a CUDA prediction still runs the
-step on fake CPU tensors and applies the rules by which CUDA differs. They follow PyTorch 2.11's
+A CPU-only PyTorch makes fake CUDA tensors, but autograd aborts the process on the first backward
+through one (its input metadata asks for a CUDA device guard), so a CUDA prediction runs the step on
+fake CPU tensors and applies the rules by which CUDA differs (``gpukit.offload`` applies the same rules
+to its simulated GPU, ``meta``). They follow PyTorch 2.11's
 source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H200, sm90):
 
 * Optimizers (torch/optim/optimizer.py ``_default_to_fused_or_foreach``, torch/optim/adam.py and the

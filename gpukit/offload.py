@@ -19,11 +19,17 @@ copies each offloaded gradient to the host and each offloaded parameter back.
 batch on ``meta`` under ``FakeTensorMode`` (shapes, no memory), the host on the CPU, also fake. gpukit's counter
 tells the two apart by the device each tensor shows (``gpukit.counter.FAKE_LEDGER``) and rounds each block as the
 CUDA allocator does; ``gpukit.copies`` counts what crosses. Nothing is allocated and no copy happens, so it
-predicts bytes, not time. The activations are those of the kernels the simulated device runs: there
-``scaled_dot_product_attention`` takes the math composite, which keeps the attention matrix that a GPU's fused
-kernels do not (``predict(device="cuda")`` applies CUDA's choice, on one memory). Fake CUDA tensors cannot
-stand for the GPU on a CPU-only PyTorch: autograd aborts the process on the first ``backward`` through one (its
-input metadata asks for a CUDA device guard).
+predicts bytes, not time. The GPU side follows CUDA's code paths as ``predict(device="cuda")`` does
+(``gpukit.cudarules``, for the card named or a Hopper GPU): an optimizer left to choose gets the foreach
+implementation; the first matrix product of forward and of backward each allocate a cuBLAS workspace; and the
+attention kernel is the card's. On ``meta`` PyTorch itself would always take the math composite
+(``_fused_sdp_choice_meta``, aten/src/ATen/native/transformers/attention.cpp: the fused choice only for a tensor
+with the CUDA key), which keeps the attention matrix a GPU's fused kernels do not; so where the card has a fused
+kernel for the call, the simulated device runs the CPU's flash kernel, whose outputs (and the float32 logsumexp it
+saves) are those of CUDA's flash kernel, as a CUDA prediction on the CPU does. With an optimizer that keeps
+everything on the GPU, the GPU side is then ``predict(device="cuda")``'s step to the byte (tests/test_offload.py).
+Fake CUDA tensors cannot stand for the GPU on a CPU-only PyTorch: autograd aborts the process on the first
+``backward`` through one (its input metadata asks for a CUDA device guard).
 
 What such an optimizer asks of CUDA itself is stood in by ``cuda_stand_ins()``, each named as the CPU stand-in it
 is. On a GPU, use the optimizer as it is and measure with ``gpukit.measure("cuda")``.
@@ -41,7 +47,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torch.overrides import TorchFunctionMode
+
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
+from .cudarules import CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, gc_paused
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
 from .report import format_bytes, html_table
@@ -159,6 +168,46 @@ def _fused_on_the_simulated_device():
         module._get_fused_kernels_supported_devices = original
 
 
+class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on the simulated GPU as the card runs it. On ``meta`` PyTorch takes the math
+    composite whatever the inputs (``_fused_sdp_choice_meta``: no CUDA key, math); where the card has a fused
+    kernel for the call (``gpukit.cudarules.sdpa_backend``), the CPU's flash kernel runs instead, as PyTorch's
+    composite calls it on a CPU (attention.cpp ``scaled_dot_product_attention``: a boolean mask made additive in
+    the query's dtype first, ``convert_boolean_attn_mask``). ``CudaRules`` then sees that kernel as it does in a
+    CUDA prediction (the memory-efficient kernel's padded logsumexp). Where the card takes the math kernel, or on
+    any other device, the call goes on unchanged."""
+
+    def __init__(self, capability: tuple[int, int]) -> None:
+        super().__init__()
+        self.capability = capability
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
+        query, key, value, mask = (given.get(n) for n in names[:4])
+        if query.device.type != SIMULATED_DEVICE or sdpa_backend(query, key, value, mask is not None,
+                                                                 self.capability) == "math":
+            return func(*args, **kwargs)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, given.get("dropout_p", 0.0), given.get("is_causal", False), attn_mask=mask,
+            scale=given.get("scale"))[0]
+
+
+def _cuda_defaults(optimizer: Any) -> None:
+    """The foreach implementation where the optimizer (or torchao's on-device optimizer of the small parameters,
+    ``d_opt``) left the choice to PyTorch, as CUDA parameters get it (``gpukit.cudarules``)."""
+    from .bigmodel import OptimizerInBackward
+
+    for opt in (optimizer, getattr(optimizer, "d_opt", None)):
+        if isinstance(opt, (torch.optim.Optimizer, OptimizerInBackward)):
+            use_cuda_optimizer_defaults(opt)
+
+
 @dataclass
 class OffloadPrediction:
     """One training step with memory on two sides, predicted on a simulated GPU: bytes on the device (rounded per
@@ -173,6 +222,9 @@ class OffloadPrediction:
     parameters: int
     seconds: float = 0.0
     device: str = field(default="meta (simulated GPU)")
+    card: str | None = None  # the card whose attention kernels it ran (gpukit.cards), None: a Hopper GPU's
+    workspaces: int = 0      # cuBLAS/cuBLASLt workspaces on the GPU, included in device_state
+    attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA's kernel -> calls, per step run
 
     @property
     def device_peak(self) -> int:
@@ -207,7 +259,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
                     make_optimizer: Callable[[Any], Any],
                     make_batch: Callable[[], Any],
                     step: Callable[[nn.Module, Any, Any], Any] = train_step,
-                    *, warmup_steps: int = 1) -> OffloadPrediction:
+                    *, warmup_steps: int = 1, card: Any = None) -> OffloadPrediction:
     """Predict a step whose optimizer keeps state on the host: the GPU's bytes, the host's and the copies.
 
     The model is built on the CPU by ``make_model`` (as ``from_config`` builds it) and moved to the simulated GPU,
@@ -222,6 +274,8 @@ def predict_offload(make_model: Callable[[], nn.Module],
         make_batch: builds one batch, on the CPU.
         step: runs one training step: ``step(model, optimizer, batch)`` (``gpukit.step.train_step`` by default).
         warmup_steps: steps before the measured one, so that gradients and optimizer state exist.
+        card: the GPU (a ``gpukit.cards.Card`` or its name): the attention kernels its compute capability has;
+            a Hopper GPU's by default, as ``predict(device="cuda")``.
 
     Returns:
         An ``OffloadPrediction``.
@@ -231,10 +285,16 @@ def predict_offload(make_model: Callable[[], nn.Module],
         ValueError: an optimizer that already exists (``check_optimizer``).
     """
     check_factories(make_model, make_optimizer, make_batch)
+    if card is not None:
+        from .cards import Card, card as card_named
+
+        card = card if isinstance(card, Card) else card_named(card)
+    rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
     FAKE_LEDGER.settle()
     t0 = time.perf_counter()
     with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            cuda_stand_ins(), _fused_on_the_simulated_device():
+            cuda_stand_ins(), _fused_on_the_simulated_device(), \
+            _CardAttentionOnTheSimulatedDevice(rules.capability), rules:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
         try:
@@ -245,6 +305,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
             with values:
                 optimizer = make_optimizer(model.parameters())
             check_optimizer(optimizer)
+            _cuda_defaults(optimizer)
             moved: dict[int, torch.Tensor] = {}  # one tensor twice in the batch (labels that are the ids): one copy
 
             def to_device(t: torch.Tensor) -> torch.Tensor:
@@ -273,9 +334,12 @@ def predict_offload(make_model: Callable[[], nn.Module],
         del model, optimizer, batch
         collect_young()
     device, host, both = on_step
-    return OffloadPrediction(device_state=device_state, device_step_peak=device.peak, host_state=host_state,
-                             host_step_peak=host.peak, combined_step_peak=both.peak, copies=traffic,
-                             parameters=n_params, seconds=time.perf_counter() - t0)
+    workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
+    return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device.peak,
+                             host_state=host_state, host_step_peak=host.peak, combined_step_peak=both.peak,
+                             copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
+                             card=card.key if card is not None else None, workspaces=workspaces,
+                             attention_kernels=dict(rules.sdpa))
 
 
 __all__ = ["cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

@@ -2,14 +2,18 @@
 predicted on a simulated GPU (fake tensors on 'meta') with a host (fake tensors on the CPU), the copies of a step
 counted by gpukit.copies; torchao's also run for real on this CPU. Each figure is checked against its arithmetic.
 
-torchao is not among the lessons' dependencies (importing it makes peft, which imports it where it is installed,
-print warnings): its tests run where it is installed and are skipped elsewhere."""
+The simulated GPU follows CUDA's code paths as predict(device="cuda") does; with an optimizer that keeps everything
+on the GPU the two agree to the byte.
+
+torchao is in the lessons' extra (Colab and Kaggle have it too); where it is not installed its tests are skipped."""
 
 import pytest
 import torch
 
 import gpukit
 from gpukit.counter import round_up
+from gpukit.cudarules import cublas_workspace_bytes
+from gpukit.estimate import predict
 from gpukit.offload import cuda_stand_ins, predict_offload
 from gpukit.step import train_step
 
@@ -65,6 +69,9 @@ def split(shape=SMALL, minimal_size=4096):
 
 
 STEP = 512  # a fused AdamW's step counter: one float32 tensor a parameter, one 512-byte block
+# cuBLAS's workspaces on the GPU: one for forward's matrix products, one for backward's (autograd's device thread);
+# a Llama multiplies without a bias, so no cuBLASLt one (gpukit.cudarules).
+WORKSPACES = 2 * cublas_workspace_bytes()
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
@@ -83,7 +90,8 @@ def test_the_gpu_keeps_weights_gradients_and_activations_and_the_host_four_copie
     weights = rounded(offloaded) + rounded(kept)
     batch = round_up(8 * 32 * 8)  # the input ids, int64, which are the labels too
     grads = rounded(kept) + (0 if offload_gradients else rounded(offloaded))
-    assert p.device_state == weights + buffers + grads + 2 * rounded(kept) + len(kept) * STEP + batch
+    assert p.device_state == weights + buffers + grads + 2 * rounded(kept) + len(kept) * STEP + batch + WORKSPACES
+    assert p.workspaces == WORKSPACES
     assert p.host_state == 4 * rounded(offloaded) + len(offloaded) * STEP and p.host_step_peak == 0
     offloaded_bytes = sum(t.numel() * 4 for t in offloaded)
     assert (p.copies.device_to_host, p.copies.copies_to_host) == (offloaded_bytes, len(offloaded))
@@ -124,7 +132,7 @@ def test_on_this_cpu_torchaos_update_is_adamws_and_its_bytes_are_the_predictions
         hf_step(reference, plain, batch)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     predicted = predict_offload(eager_llama, lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW), text_batch, hf_step)
-    assert built.delta == predicted.device_state + predicted.host_state
+    assert built.delta == predicted.device_state - predicted.workspaces + predicted.host_state  # no cuBLAS here
     assert stepped.peak == predicted.combined_step_peak
 
 
@@ -179,7 +187,7 @@ def test_pytorchs_own_host_optimizer_recipe_leaves_the_gpu_its_weights_and_costs
     offloaded, kept, buffers = split(minimal_size=0)
     params = offloaded + kept
     p = predict_offload(llama, host_optimizer, text_batch, host_step)
-    assert p.device_state == rounded(params) + buffers + round_up(8 * 32 * 8)
+    assert p.device_state == rounded(params) + buffers + round_up(8 * 32 * 8) + WORKSPACES
     assert p.host_state == 4 * rounded(params) + len(params) * STEP
     model_bytes = sum(t.numel() * 4 for t in params)
     assert (p.copies.device_to_host, p.copies.host_to_device) == (model_bytes, model_bytes)
@@ -196,9 +204,54 @@ def test_a_llama_3_2_1b_shape_with_torchao_keeps_on_the_gpu_only_weights_gradien
     p = predict_offload(lambda: llama(LLAMA_1B), lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, minimal_size=0),
                         lambda: text_batch(1, 256, LLAMA_1B["vocab_size"]), hf_step)
     weights = rounded(offloaded)
-    assert p.device_state == 2 * weights + buffers + round_up(256 * 8)
+    assert p.device_state == 2 * weights + buffers + round_up(256 * 8) + WORKSPACES
     assert p.host_state == 4 * weights + len(offloaded) * STEP
     model_bytes = sum(t.numel() * 4 for t in offloaded)
     assert p.copies.device_to_host == p.copies.host_to_device == model_bytes
     assert p.device_step_peak > 0 and p.host_step_peak == 0
     print(p)
+
+
+@pytest.mark.parametrize("card", ["h100", "t4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_the_byte(card, dtype, padded):
+    """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU, for an H100 and a T4. A fused AdamW
+    keeps everything on the GPU, its step counters too: the two predictions agree to the byte, before the step and
+    at its peak, with the same attention kernels (flash, memory-efficient with the padding mask, the math one for
+    bfloat16 on a T4). Without the CUDA rules the simulated device took the math kernel for every call (meta has no
+    fused choice), and the for-loop optimizer instead of CUDA's foreach one."""
+    def make():
+        return llama().to(dtype)
+
+    def batch():
+        ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+        if not padded:
+            return {"input_ids": ids, "labels": ids}
+        mask = torch.ones_like(ids)
+        mask[::2, -5:] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    fused = lambda ps: torch.optim.AdamW(ps, fused=True)
+    on_cpu = predict(make, fused, batch, hf_step, card=card)
+    simulated = predict_offload(make, fused, batch, hf_step, card=card)
+    assert (simulated.device_state, simulated.device_peak) == (on_cpu.before_step, on_cpu.peak)
+    assert simulated.attention_kernels == on_cpu.attention_kernels
+    expected = "math" if (card, dtype) == ("t4", torch.bfloat16) else \
+        "efficient" if padded or dtype == torch.float32 else "flash"
+    assert set(simulated.attention_kernels) == {expected}
+    assert simulated.host_state == 0 and simulated.copies.total == 0
+
+
+def test_adamws_step_counters_are_on_the_host_where_cuda_keeps_them():
+    """Device: meta (a simulated GPU) and cpu (the host). Left to choose, AdamW on CUDA takes the foreach
+    implementation, which keeps each parameter's step counter on the host (torch/optim/adam.py ``_init_group``:
+    on the parameter's device only if capturable or fused): 512 bytes a parameter that the simulated GPU does not
+    hold and predict(device="cuda"), with one memory, counts."""
+    offloaded, kept, _ = split()
+    n = len(offloaded + kept)
+    default = lambda ps: torch.optim.AdamW(ps)
+    simulated = predict_offload(llama, default, text_batch, hf_step)
+    on_cpu = predict(llama, default, text_batch, hf_step, device="cuda")
+    assert simulated.host_state == n * STEP
+    assert on_cpu.before_step - simulated.device_state == on_cpu.peak - simulated.device_peak == n * STEP
