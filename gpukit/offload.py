@@ -198,6 +198,17 @@ class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
             scale=given.get("scale"))[0]
 
 
+def _drop_parameter_hooks(model: nn.Module) -> None:
+    """Take the post-accumulate-grad hooks off the prediction's own (fake) parameters. Such a hook is kept in C++
+    (the parameter's autograd meta), where the garbage collector cannot see a cycle back to the parameter: torchao's
+    ``CPUOffloadOptimizer`` registers hooks that hold the optimizer, which holds the parameters and their host
+    copies, so without this they would outlive the prediction and sit in the next one's simulated device."""
+    for param in model.parameters():
+        hooks = param._post_accumulate_grad_hooks
+        if hooks:
+            hooks.clear()
+
+
 def _cuda_defaults(optimizer: Any) -> None:
     """The foreach implementation where the optimizer (or torchao's on-device optimizer of the small parameters,
     ``d_opt``) left the choice to PyTorch, as CUDA parameters get it (``gpukit.cudarules``)."""
@@ -297,6 +308,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
             _CardAttentionOnTheSimulatedDevice(rules.capability), rules:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
+        model = optimizer = batch = None
         try:
             values = ValuesWhileBuilding()
             model = fake_model(make_model, values)
@@ -331,6 +343,8 @@ def predict_offload(make_model: Callable[[], nn.Module],
         finally:
             for tally in reversed(kept):
                 FAKE_LEDGER.stop(tally)
+            if model is not None:
+                _drop_parameter_hooks(model)
         del model, optimizer, batch
         collect_young()
     device, host, both = on_step

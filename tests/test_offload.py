@@ -255,3 +255,21 @@ def test_adamws_step_counters_are_on_the_host_where_cuda_keeps_them():
     on_cpu = predict(llama, default, text_batch, hf_step, device="cuda")
     assert simulated.host_state == n * STEP
     assert on_cpu.before_step - simulated.device_state == on_cpu.peak - simulated.device_peak == n * STEP
+
+
+def test_a_prediction_with_torchao_leaves_nothing_for_the_next_one():
+    """Device: meta (a simulated GPU) and cpu (the host). torchao's hooks on the parameters hold the optimizer, which
+    holds the parameters: a cycle through C++ that the collector cannot free. The prediction takes the hooks off its
+    own model, so no fake storage outlives it and the next prediction is the same as before it."""
+    import gc
+
+    from gpukit.counter import FAKE_LEDGER
+
+    CPUOffloadOptimizer = offload_optimizer()
+    first = predict(llama, lambda ps: torch.optim.AdamW(ps), text_batch, hf_step, card="t4")
+    predict_offload(llama, lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, minimal_size=0), text_batch, hf_step)
+    gc.collect()
+    FAKE_LEDGER.settle()
+    assert FAKE_LEDGER.sizes == {}
+    again = predict(llama, lambda ps: torch.optim.AdamW(ps), text_batch, hf_step, card="t4")
+    assert (again.peak, again.reserved_peak) == (first.peak, first.reserved_peak)
