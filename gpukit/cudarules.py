@@ -56,7 +56,11 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   the prediction is a lower bound. Ops CUDA runs in lower precision and CPU autocast in float32 (``addmv``,
   ``addr``, ``mv``, the fused RNN cells) are counted in float32: high, not flagged.
 
-Not modelled: NCCL buffers.
+Not modelled: NCCL buffers. Counted where CUDA does not keep it: the step counter of a for-loop or foreach
+optimizer, which CUDA keeps on the host (torch/optim/adam.py ``_init_group``: on the parameter's device only
+when capturable or fused) and the prediction's one memory holds beside the rest: one 512-byte block per
+parameter tensor too many (73 KiB for Llama-3.2-1B's 146 tensors). ``gpukit.offload.predict_offload``, which
+tells the GPU from the host, places them on the host.
 """
 
 from __future__ import annotations
