@@ -273,3 +273,13 @@ def test_a_prediction_with_torchao_leaves_nothing_for_the_next_one():
     assert FAKE_LEDGER.sizes == {}
     again = predict(llama, lambda ps: torch.optim.AdamW(ps), text_batch, hf_step, card="t4")
     assert (again.peak, again.reserved_peak) == (first.peak, first.reserved_peak)
+
+
+def test_an_unknown_card_is_refused_before_anything_is_built():
+    """Device: none (the card is checked first). The error lists the cards; torch.cuda is left as it was."""
+    built = []
+    before = torch.cuda.Stream
+    with pytest.raises(ValueError, match="t4"):
+        predict_offload(lambda: built.append(1) or llama(), lambda ps: torch.optim.AdamW(ps), text_batch, hf_step,
+                        card="a card nobody makes")
+    assert built == [] and torch.cuda.Stream is before
