@@ -15,7 +15,9 @@ lower bound of the host RAM the lesson needs beside the card (the two peaks need
 the limit, the lesson certainly does not fit; under it, probably.
 
 Arithmetic is real: a lesson whose GPU sizes take longer than ``--limit`` seconds on this CPU is stopped and
-recorded as not rehearsed, never as passed. Writes ``data/rehearsals/<card>.csv``, one row per notebook, and exits
+recorded as not rehearsed, never as passed. What a rehearsal repeats fewer times than the card would is timed steps
+only (``gpukit.lessons.sizes.REHEARSAL_REPEATS``: their times on this CPU say nothing of the card's, and no cell that
+repeats them asserts a time); the table's ``shortened`` column names them. Writes ``data/rehearsals/<card>.csv``, one row per notebook, and exits
 non-zero if an assertion failed, a cell raised, a lesson did not fit or was not rehearsed to its end.
 """
 
@@ -42,7 +44,7 @@ OUT = ROOT / "data" / "rehearsals"
 HOST_BYTES = {"t4": int(12.7e9)}
 COLUMNS = ["notebook", "card", "status", "assertions", "cpu_assertions", "failed", "errors", "peak_allocated_bytes",
            "peak_reserved_bytes", "context_bytes", "card_bytes", "host_peak_bytes", "host_need_bytes", "host_bytes",
-           "fits", "seconds", "first_failure"]
+           "fits", "seconds", "shortened", "first_failure"]
 
 
 def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> dict:
@@ -55,7 +57,7 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> d
 
     from gpukit.allocator import CONTEXT_ALLOWANCE
     from gpukit.cards import card as card_named
-    from gpukit.lessons.sizes import REHEARSE_VAR, card_memory
+    from gpukit.lessons.sizes import REHEARSE_VAR, card_memory, shortened, tier_of
 
     c = None if card_key == "cpu" else card_named(card_key)
     nb = nbformat.read(path, as_version=4)
@@ -63,7 +65,10 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> d
     nb.cells.append(nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import report; report()"))
     row = {"notebook": path.stem, "card": card_key, "status": "complete", "errors": 0,
            "context_bytes": CONTEXT_ALLOWANCE if c else 0, "card_bytes": card_memory(c) if c else None,
-           "host_bytes": HOST_BYTES.get(card_key)}
+           "host_bytes": HOST_BYTES.get(card_key),
+           # timed steps repeated fewer times than on the card (gpukit.lessons.sizes.REHEARSAL_REPEATS)
+           "shortened": "; ".join(f"{name} {new} (card: {old})" for name, (old, new)
+                                  in (shortened(path.stem, tier_of(c.memory_bytes)) if c else {}).items())}
     saved = {k: os.environ.get(k) for k in (REHEARSE_VAR, "MPLBACKEND")}
     os.environ.pop(REHEARSE_VAR, None)
     if c is not None:
@@ -143,7 +148,7 @@ def readme_section(folder: Path | None = None) -> str:
             rows = list(csv.DictReader(f))
         lines += [f"**{table.stem}** (`data/rehearsals/{table.name}`)", "",
                   "| notebook | status | assertions (CPU run) | failed | errors | reserved peak + context "
-                  "| host beside it | fits |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| host beside it | fits | timed repeats |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             reserved = int(r["peak_reserved_bytes"] or 0) + int(r["context_bytes"] or 0)
             card = f" of {int(r['card_bytes']) / 2**30:,.1f} GiB" if r["card_bytes"] else ""
@@ -152,7 +157,8 @@ def readme_section(folder: Path | None = None) -> str:
             host = f"{int(need) / 2**30:.1f} GiB"
             counts = f"{r['assertions'] or '-'}" + (f" ({r['cpu_assertions']})" if r["cpu_assertions"] else "")
             lines.append(f"| {r['notebook']} | {r['status']} | {counts} | {r['failed'] or '-'} | {r['errors']} "
-                         f"| {reserved / 2**30:,.2f} GiB{card} | {host} | {r['fits']} |")
+                         f"| {reserved / 2**30:,.2f} GiB{card} | {host} | {r['fits']} "
+                         f"| {'fewer: ' + r['shortened'] if r.get('shortened') else 'as on the card'} |")
         lines.append("")
     return "\n".join(lines).strip()
 

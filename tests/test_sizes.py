@@ -100,3 +100,32 @@ def test_bad_names_are_refused_with_what_is_allowed(monkeypatch):
     monkeypatch.setenv(REHEARSE_VAR, "v100")
     with pytest.raises(ValueError, match="the cards are t4, l4"):
         lesson_settings("00_where_memory_goes")
+
+
+def test_a_rehearsal_repeats_timed_steps_fewer_times_and_nothing_else(monkeypatch):
+    """A rehearsal shortens only the repetitions of timed steps (REHEARSAL_REPEATS), never below two (the lessons
+    take quartiles), says so in the settings it prints, and leaves every other size the card's."""
+    from gpukit.lessons.sizes import REHEARSAL_REPEATS, shortened
+
+    for name, fewer in REHEARSAL_REPEATS.items():
+        for tier in [t for t in ("gpu", "t4", "h100") if t in SIZES[name]]:
+            for size, (on_card, rehearsed) in shortened(name, tier).items():
+                if size == "TIME_SHAPES":  # (width, batch, repeats): only the repeats change
+                    assert [s[:2] for s in rehearsed] == [s[:2] for s in on_card]
+                    assert all(2 <= r[2] < c[2] for r, c in zip(rehearsed, on_card))
+                else:
+                    assert 2 <= rehearsed < on_card, (name, size)
+    monkeypatch.setenv(REHEARSE_VAR, "t4")
+    try:
+        s = lesson_settings("04_gradient_checkpointing")
+        assert s.TIME_SHAPES == [(2048, 128, 2), (2048, 8192, 2)]
+        assert (s.WIDTH, s.BATCH) == (SIZES["04_gradient_checkpointing"]["gpu"]["WIDTH"],
+                                      SIZES["04_gradient_checkpointing"]["gpu"]["BATCH"])
+        assert "repeated fewer times in a rehearsal: TIME_SHAPES" in repr(s)
+        assert lesson_settings("00_where_memory_goes").shortened == {}
+    finally:
+        reset_cpu_device()
+    fake_gpu(monkeypatch, "Tesla T4", 14_930 * 2**20, (7, 5))
+    monkeypatch.delenv(REHEARSE_VAR)
+    s = lesson_settings("02_mixed_precision")  # on the card itself: every repetition
+    assert s.SPEED_STEPS == SIZES["02_mixed_precision"]["gpu"]["SPEED_STEPS"] and s.shortened == {}

@@ -82,6 +82,27 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 
+# What a rehearsal on the CPU shortens: repetitions of timed steps, whose times on this CPU say nothing of the card's
+# and which, at a card's sizes, take most of a rehearsal (a T4's 20 timed steps of notebook 04 take an hour on two
+# cores). Nothing else changes: the memory a lesson measures and every assertion it makes are the card's (no cell that
+# repeats these steps asserts a time). Each entry keeps at least two repetitions: the lessons take quartiles.
+REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
+    "02_mixed_precision": {"SPEED_STEPS": 2},
+    "04_gradient_checkpointing": {"TIME_SHAPES": lambda shapes: [(width, batch, 2) for width, batch, _ in shapes]},
+}
+
+
+def shortened(notebook: str, tier: str) -> dict[str, tuple[Any, Any]]:
+    """What a rehearsal of ``notebook`` at a card of ``tier`` repeats fewer times: name -> (the card's, the
+    rehearsal's)."""
+    table = SIZES.get(notebook, {})
+    sizes = table.get(tier) or table.get("gpu") or {}
+    out = {}
+    for name, fewer in REHEARSAL_REPEATS.get(notebook, {}).items():
+        card_value = sizes[name]
+        out[name] = (card_value, fewer(card_value) if callable(fewer) else fewer)
+    return out
+
 
 @dataclass(frozen=True)
 class LessonSettings:
@@ -94,6 +115,7 @@ class LessonSettings:
     card: Card | None
     sizes: dict[str, Any] = field(default_factory=dict)
     rehearsal: bool = False       # a card's sizes on the CPU, its memory given to the simulated allocator
+    shortened: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # a rehearsal's fewer timed repetitions
 
     def __getattr__(self, name: str) -> Any:
         sizes = self.__dict__.get("sizes", {})
@@ -108,7 +130,9 @@ class LessonSettings:
         if self.rehearsal:
             on = f"the CPU, rehearsing {self.card.name}: its memory given to the simulated CUDA allocator"
         listed = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in self.sizes.items())
-        return f"{self.notebook} on {on}: {where}: {listed}"
+        fewer = "; ".join(f"{k} {new} (the card's: {old})" for k, (old, new) in self.shortened.items())
+        return f"{self.notebook} on {on}: {where}: {listed}" + (
+            f"; timed steps repeated fewer times in a rehearsal: {fewer}" if fewer else "")
 
 
 def rehearsed_card() -> Card | None:
@@ -150,8 +174,11 @@ def lesson_settings(notebook: str, device: torch.device | str | None = None) -> 
                 found = card_named(props.name)
             except ValueError:
                 found = None  # a card not in gpukit.cards: sized by its memory alone
-    sizes = table.get(tier) or table["gpu"]
-    return LessonSettings(notebook, dev, tier, found, dict(sizes), rehearsal=rehearsing is not None)
+    sizes = dict(table.get(tier) or table["gpu"])
+    fewer = shortened(notebook, tier) if rehearsing is not None else {}
+    sizes.update({name: rehearsed for name, (_, rehearsed) in fewer.items()})
+    return LessonSettings(notebook, dev, tier, found, sizes, rehearsal=rehearsing is not None, shortened=fewer)
 
 
-__all__ = ["lesson_settings", "LessonSettings", "SIZES", "REHEARSE_VAR", "rehearsed_card", "card_memory"]
+__all__ = ["lesson_settings", "LessonSettings", "SIZES", "REHEARSAL_REPEATS", "REHEARSE_VAR", "rehearsed_card",
+           "card_memory", "shortened"]
