@@ -4,7 +4,8 @@ caching allocator given that card's memory, with every assertion the lesson make
     python3 kit.py rehearse --card t4 [notebooks/01_no_grad.ipynb ...]
     python3 kit.py rehearse --card cpu             # the CPU's own sizes: the assertion counts to compare with
 
-Each notebook runs in a fresh kernel with ``GPUKIT_REHEARSE`` naming the card. Its cells are rewritten as they run
+Each notebook runs in a fresh kernel, driven by a runner process of its own, with ``GPUKIT_REHEARSE`` naming the
+card. Its cells are rewritten as they run
 (an IPython AST transformer): ``assert test, message`` counts the assertion, records it if it fails and goes on, so
 one failure does not hide the ones after it. After each cell the simulated allocator's peaks are read; at the end
 the kernel's own peak of resident memory. The card's memory holds the peak reserved bytes plus the context allowance
@@ -27,7 +28,10 @@ import argparse
 import csv
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -136,6 +140,49 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> d
     return row
 
 
+def isolated(path: Path, card_key: str, limit: float, grace: float = 120.0, slack: float = 60.0) -> dict:
+    """``rehearse`` in a process of its own. A runner still there ``slack`` seconds after its kernel should have been
+    killed (its kernel client can wait on a dead kernel for good: seen twice, with the kernel a zombie) is killed
+    with every process under it, and the row says so; the notebooks after it are rehearsed all the same."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        proc = subprocess.Popen([sys.executable, __file__, "--card", card_key, "--limit", str(limit), "--grace",
+                                 str(grace), "--one", str(out), str(path)])
+        try:
+            code = proc.wait(timeout=limit + grace + slack)
+            why = f"its runner exited with code {code} before writing its row"
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            why = f"not rehearsed to its end: its runner still waited {limit + grace + slack:.0f} s on, and was killed"
+        if out.is_file():
+            return json.loads(out.read_text())
+    return {"notebook": path.stem, "card": card_key, "status": why, "assertions": None, "failed": None, "errors": 0,
+            "fits": False, "seconds": round(time.perf_counter() - start, 1), "first_failure": ""}
+
+
+def kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process under it (read from /proc: a kernel may have a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        doomed.append(p)
+        todo += children.get(p, [])
+    for p in doomed:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 START, END = "<!-- rehearsals:start -->", "<!-- rehearsals:end -->"
 
 
@@ -188,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--card", required=True, help="a gpukit.cards key (t4, h100...) or 'cpu'")
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a notebook may run (default 600)")
     parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--grace", type=float, default=120.0, help=argparse.SUPPRESS)
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one notebook, its row to this file
     args = parser.parse_args(argv)
+    if args.one is not None:
+        args.one.write_text(json.dumps(rehearse(args.notebooks[0].resolve(), args.card, args.limit, args.grace)))
+        return 0
     if args.card != "cpu":
         from gpukit.cards import card as card_named
 
@@ -209,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = {r["notebook"]: r for r in csv.DictReader(f)}
     bad = 0
     for path in paths:
-        row = rehearse(path, args.card, args.limit)
+        row = isolated(path, args.card, args.limit, args.grace)
         row["cpu_assertions"] = counts.get(path.stem, "")
         rows[path.stem] = row
         ok = (row["status"] == "complete" and row["failed"] == 0 and row["errors"] == 0 and row["fits"]

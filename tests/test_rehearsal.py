@@ -102,3 +102,39 @@ def test_the_readme_sums_up_the_recorded_tables():
     text = (rehearsal.ROOT / "README.md").read_text()
     section = text.split(rehearsal.START)[1].split(rehearsal.END)[0].strip()
     assert section == rehearsal.readme_section() and "**t4**" in section and "**cpu**" in section
+
+
+def test_each_notebook_runs_in_a_runner_of_its_own_and_a_hung_one_is_killed_with_its_children(tmp_path):
+    """Device: cpu. The row comes back from the runner's process; a process tree (a runner and the kernel under it)
+    is killed whole."""
+    import subprocess
+    import time
+
+    path = notebook(tmp_path, "assert 1 + 1 == 2")
+    row = rehearsal.isolated(path, "cpu", 60)
+    assert row["status"] == "complete" and row["assertions"] == 1
+    tree = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
+    time.sleep(0.5)
+    below = [int(p) for p in subprocess.run(["pgrep", "-P", str(tree.pid)], capture_output=True,
+                                            text=True).stdout.split()]
+    assert len(below) == 2
+    rehearsal.kill_tree(tree.pid)
+    tree.wait(timeout=10)
+    time.sleep(0.5)
+    alive = [p for p in below if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0
+             and "Z" not in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0]]
+    assert alive == []
+
+
+def test_a_runner_still_waiting_past_its_time_is_killed_and_its_row_says_so(tmp_path):
+    """Device: cpu. The runner's own watchdog would wait 100 s for this kernel (it ignores the interrupt); the
+    parent gives it 3 s in all (a negative slack stands for a runner that waits past its watchdog) and kills it and
+    the kernel under it."""
+    import time
+
+    stubborn = notebook(tmp_path, "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(120)",
+                        name="96_deaf")
+    t0 = time.perf_counter()
+    row = rehearsal.isolated(stubborn, "cpu", 1, grace=100, slack=-98)
+    assert row["status"].startswith("not rehearsed to its end: its runner still waited 3 s on, and was killed")
+    assert row["fits"] is False and row["assertions"] is None and time.perf_counter() - t0 < 20
