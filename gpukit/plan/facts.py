@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._torch import FakeTensorMode
+from .._torch import FakeTensorMode, _disable_current_modes
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
@@ -226,12 +226,15 @@ def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
 
 def _bnb_optim():
     """``bitsandbytes.optim``, imported without the warning its CPU backend logs where an optional kernel package
-    is missing (it concerns 4-bit matrix products, which no plan uses)."""
+    is missing (it concerns 4-bit matrix products, which no plan uses), and outside any fake mode: the tensors
+    bitsandbytes makes when imported (its 4-bit code tables) stay real, and no fake storage lives on in its
+    module, which would make every later prediction collect all garbage first (``gpukit.estimate.predict``)."""
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        import bitsandbytes.optim
+        with _disable_current_modes():
+            import bitsandbytes.optim
     finally:
         log.setLevel(level)
     return bitsandbytes.optim
