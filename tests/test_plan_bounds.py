@@ -13,6 +13,7 @@ from gpukit.lessons.models import GPTConfig, TinyGPT
 from gpukit.plan import plan
 from gpukit.plan.search import _Search
 from gpukit.plan.steps import _model_maker, _step_for
+from gpukit.step import resolve_loss
 
 SGD = {"SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}
 
@@ -94,3 +95,109 @@ def test_candidates_pruned_by_the_bound_do_not_fit_and_the_cheapest_is_still_fou
     for r in bounded:
         assert r.fits is False and limit < r.bound <= need[r.candidate], r.candidate
     assert p.predictions < exhaustive.predictions
+
+
+# -- bounds from a prefix of the step (no warm-up, no optimizer step) ---------------------------------------------
+
+
+def llama_case(batch: int = 8):
+    """A transformers Llama (tied embeddings) trained with the loss it computes, from a padded dict batch."""
+    transformers = pytest.importorskip("transformers")
+
+    def make_model():
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=True, use_cache=False)
+        return transformers.LlamaForCausalLM(config)
+
+    ids = torch.randint(0, 256, (batch, 32), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[::2, -8:] = 0
+    batch_ = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return make_model, (lambda p: torch.optim.AdamW(p)), (lambda: {k: v.clone() for k, v in batch_.items()})
+
+
+CASES = {"gpt": (gpt_case, None, ("float32", "bf16 weights")),
+         "llama": (llama_case, "model", ("float32", "fp16", "bf16 weights"))}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_prediction(name):
+    """Device: none (CUDA's rules: reserved memory, offload). Each configuration's step run without its warm-up up
+    to the optimizer step, stopped at the end of its forward, in its middle where the budget is passed, or not at
+    all (three budgets), bounds every candidate of the configuration, with any optimizer (stepped in backward too:
+    by the forward alone), at most its own need; with the optimizer's state only where every parameter got a
+    gradient. The prefix is read where the step ran to its end: within 10% of the plain step's allocated peak."""
+    make_case, loss, precisions = CASES[name]
+    case = make_case()
+    options = dict(precisions=precisions, offload=True, loss=None if loss is None else resolve_loss(loss))
+    exhaustive = search_for(case, "cuda", **options)
+    need = {c: exhaustive.evaluate(c).need for c in exhaustive.candidates()}
+    plain = max(need.values())
+    checked = {}
+    for fraction in (10.0, 1.0, 0.3):  # the end of the forward (hopeless); the whole prefix; its middle
+        search = search_for(case, "cuda", limit=int(plain * fraction), **options)
+        search.hopeless = 0.0 if fraction == 1.0 else search.hopeless
+        for c in search.candidates():
+            search.prefix(c)
+            for floor in (False, True):
+                bound = search.phase_bound(c, floor=floor)
+                if bound is not None:
+                    assert bound <= need[c], (fraction, c, floor, bound, need[c])
+                    checked[fraction, floor] = checked.get((fraction, floor), 0) + 1
+        assert search.predictions == len({search.configuration(c) for c in search.candidates()})
+    assert all(checked.get((f, False)) for f in (10.0, 1.0, 0.3)) and checked.get((1.0, True))
+    whole = search_for(case, "cuda", limit=int(plain), **options)
+    whole.hopeless = 0.0
+    first = next(c for c in whole.candidates() if c.optimizer == "yours: AdamW" and c.label == "plain")
+    whole.prefix(first)
+    assert whole.phase_bound(first) > 0.9 * exhaustive.rows[first].peak
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_state_without_a_floor_is_the_floors(name):
+    """Device: none. The figures a search takes from one optimizer step outside predict() (parameters, gradients,
+    optimizer state) are the floor's, to the byte, for every optimizer (8-bit and stepped in backward included) and
+    parameter type; and what that step starts with is below the floor's peak."""
+    make_case, loss, precisions = CASES[name]
+    case = make_case()
+    options = dict(precisions=precisions, loss=None if loss is None else resolve_loss(loss))
+    for device in ("cpu", "cuda"):
+        cheap, floors = search_for(case, device, **options), search_for(case, device, **options)
+        seen = set()
+        for c in cheap.candidates():
+            key = (c.optimizer, c.precision == "bf16 weights")
+            if key in seen:
+                continue
+            seen.add(key)
+            info, floor = cheap.state_info(c), floors.floor(c)
+            assert {k: info[k] for k in ("params", "grads", "optimizer_state", "state")} == \
+                {k: floor[k] for k in ("params", "grads", "optimizer_state", "state")}, (device, c)
+            assert info["before"] <= floor["peak"]
+        assert cheap.predictions == 0 and len(seen) >= 8
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model():
+    """Device: none (CUDA's rules). Budgets between the most and the least any candidate needs: the plan's choice and
+    its need are the exhaustive search's cheapest fitting candidate's, every candidate a bound pruned does not fit,
+    and the plan predicts less than the exhaustive search."""
+    case = llama_case()
+    options = dict(precisions=("float32", "fp16", "bf16 weights"), offload=True, loss=resolve_loss("model"))
+    exhaustive = search_for(case, "cuda", **options)
+    every = {c: exhaustive.evaluate(c) for c in exhaustive.candidates()}
+    most, least = max(r.need for r in every.values()), min(r.need for r in every.values())
+    for fraction in (0.8, 0.4, 0.1):
+        limit = int(least + (most - least) * fraction)
+        fitting = [r for r in every.values() if r.need <= limit]
+        cheapest = min(fitting, key=lambda r: exhaustive.key(r.candidate, r.copy_bytes))
+        search = search_for(case, "cuda", limit=limit, **options)
+        rows = search.run()
+        choice = next(r for r in rows if r.fits and r.need is not None)
+        assert (choice.candidate, choice.need) == (cheapest.candidate, cheapest.need), fraction
+        for r in rows:
+            if r.need is None and r.bound is not None:
+                assert r.fits is False and limit < r.bound <= every[r.candidate].need, (fraction, r.candidate)
+        assert search.predictions < exhaustive.predictions

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import math
 from dataclasses import replace
 from typing import Callable
 
+import torch
 
 from .._torch import FakeTensorMode
-from ..estimate import predict
+from ..cudarules import CudaRules, use_cuda_optimizer_defaults
+from ..estimate import predict, state_bytes
+from ..factories import ValuesWhileBuilding
 from ..report import format_bytes
 from ..step import micro_loss
 from .candidates import (
@@ -26,9 +30,24 @@ from .candidates import (
     Row,
 )
 from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
-from .steps import CHUNK_TOKENS, _model_maker, _offload, _optimizer_only, _slice_batch, _step_for, candidate_loss
+from .steps import (
+    CHUNK_TOKENS,
+    _model_maker,
+    _offload,
+    _optimizer_only,
+    _prefix_step,
+    prefix_residual,
+    _slice_batch,
+    _step_for,
+    candidate_loss,
+)
 
 # -- the plan ----------------------------------------------------------------------------------------------------
+
+
+def _stateless(params) -> torch.optim.Optimizer:
+    """The optimizer of a prefix run (``_Search.prefix``): it is never stepped, and has no state."""
+    return torch.optim.SGD(params, lr=0.1)
 
 
 class _Search:
@@ -87,9 +106,14 @@ class _Search:
         self.chunks = [False, True] if self.facts.head_flops else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
+        self.states: dict[tuple[str, str], dict] = {}  # the floors' figures but for its peak (``state_info``)
         # Per configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked loss): the most allocated
-        # by the end of the forward, and by the optimizer step, less the optimizer's state (``_Phases``).
+        # by the end of the forward, and by the optimizer step, less the optimizer's state (``_Phases``, and a
+        # prefix of its step: ``prefix``); and those where every trained parameter gets a gradient.
         self.phases: dict[tuple, dict[str, int]] = {}
+        self.every_grad: set[tuple] = set()
+        self.prefixed: set[tuple] = set()
+        self.hopeless = 0.5  # a prefix whose forward needs less than this share of the budget ends there
         self.rows: dict[Candidate, Row] = {}
         self.copies: dict[tuple, int] = {}
         self.found: list[Candidate] = []
@@ -202,12 +226,33 @@ class _Search:
             self.floors[key] = info
         return self.floors[key]
 
+    def state_info(self, c: Candidate) -> dict:
+        """The floor's figures but its peak (parameters, gradients, optimizer state, and "before": what its step
+        starts with), from one optimizer step under fake tensors outside ``predict``: no warm-up step, no ledger,
+        no simulated allocator. The same bytes as the floor's (tests/test_plan_bounds.py)."""
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        if key in self.floors:
+            return self.floors[key]
+        if key not in self.states:
+            info: dict = {}
+            rules = CudaRules(self.card.compute_capability) if self.card is not None else CudaRules()
+            with FakeTensorMode(allow_non_fake_inputs=True), rules if self.device == "cuda" else contextlib.nullcontext():
+                model = _model_maker(self.make_model, c.precision, lora=c.lora)()
+                with ValuesWhileBuilding():
+                    optimizer = self.optimizers[c.optimizer][0](model.parameters())
+                if self.device == "cuda":
+                    use_cuda_optimizer_defaults(optimizer)
+                _optimizer_only(info)(model, optimizer, ())
+                info["before"] = state_bytes(model, optimizer)[0]
+            self.states[key] = info
+        return self.states[key]
+
     def state_change(self, c: Candidate) -> int:
         """Bytes a rank holds more (+) or less (-) than one process training alone, by the sharding formulas
         (the stages of the ZeRO paper; DDP's gradient buckets are a second copy of the gradients)."""
         if c.strategy == "single GPU":
             return 0
-        f, n = self.floor(c), self.gpus
+        f, n = self.state_info(c), self.gpus
         p, g, o = f["params"], f["grads"], f["optimizer_state"]
         if c.strategy == "DDP":
             return g
@@ -217,7 +262,14 @@ class _Search:
         return -(p + g + o) + math.ceil((p + g + o) / n) + 2 * unit + unit  # two gathered units and one's grads
 
     def lower_bound(self, c: Candidate) -> int:
-        return self.floor(c)["peak"] + self.state_change(c) + self.allowance
+        """Model state and the optimizer step alone: the floor's peak where it was predicted, or is worth
+        predicting (what the step starts with, and twice the parameters for the optimizer step's temporaries,
+        would be over the budget), else what the floor's step starts with."""
+        info, extra = self.state_info(c), self.state_change(c) + self.allowance
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        if key in self.floors or (info["before"] + extra <= self.limit < info["before"] + 2 * info["params"] + extra):
+            return self.floor(c)["peak"] + extra
+        return info["before"] + extra
 
     def held(self, c: Candidate) -> int:
         """What the predicted step's batch leaves out of the whole batch held (accumulation's 2 micro-batches)."""
@@ -232,9 +284,10 @@ class _Search:
         below allocated, so the bound holds for the reserved need too."""
         in_backward = c.optimizer.endswith(", in backward")
         known = self.phases.get(self.configuration(c), {}).get("forward" if in_backward else "backward")
-        if known is None or not (floor or c.strategy in ("single GPU", "DDP")):
+        if known is None or not (floor or c.strategy in ("single GPU", "DDP")) or \
+                (floor and self.configuration(c) not in self.every_grad):
             return None
-        state, change = (self.floor(c)["state"], self.state_change(c)) if floor else (0, 0)
+        state, change = (self.state_info(c)["state"], self.state_change(c)) if floor else (0, 0)
         return known + state + self.held(c) + change + self.allowance
 
     @staticmethod
@@ -284,10 +337,42 @@ class _Search:
         if c.optimizer.endswith(", in backward") or not phases.get("every_grad") or "backward" not in phases:
             return
         known = self.phases.setdefault(self.configuration(c), {})
+        self.every_grad.add(self.configuration(c))
         for phase in ("forward", "backward"):
             if phase in phases:
                 value = p.before_step + phases[phase] - phases["state"]
                 known[phase] = max(known.get(phase, value), value)
+
+    def prefix(self, c: Candidate) -> None:
+        """Once per configuration that nothing has bounded yet: its step up to its optimizer step, predicted without
+        the warm-up and stopped as soon as its allocated bytes put every candidate of the configuration over the
+        budget (``steps._prefix_step``), or at the end of the forward where they are under ``hopeless`` (half) of it
+        (the rest of the step is unlikely to get there). Its phases join those predictions learn (``phase_bound``)."""
+        key = self.configuration(c)
+        if key in self.prefixed or key in self.phases:
+            return
+        self.prefixed.add(key)
+        proxy_k = 1 if c.accumulate == 1 else 2
+        margin = self.held(c) + self.allowance
+        found: dict = {}
+
+        def enough(allocated: int, forward: bool) -> bool:
+            return allocated + margin > self.limit or (forward and allocated + margin <= self.limit * self.hopeless)
+
+        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), _stateless,
+                    _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
+                    step=_prefix_step(c, proxy_k, self.loss, found, enough), warmup_steps=0, device=self.device,
+                    card=self.card)
+        self.predictions += 1
+        # The CUDA workspaces of the matrix products it ran: a real step, its warm-up's included, runs them too.
+        base = found["base"] + p.workspaces - prefix_residual(found)
+        known = self.phases.setdefault(key, {})
+        for phase in ("forward", "backward"):
+            if phase in found:
+                value = base + found[phase]
+                known[phase] = max(known.get(phase, value), value)
+        if found.get("every_grad"):
+            self.every_grad.add(key)
 
     def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
@@ -297,6 +382,7 @@ class _Search:
     def over(self, c: Candidate) -> int | None:
         """A lower bound of the candidate's need over the budget, without predicting it (its floor and the phases
         of its configuration), or None."""
+        self.prefix(c)
         for bound in (self.phase_bound(c, floor=False), self.lower_bound(c), self.phase_bound(c)):
             if bound is not None and bound > self.limit:
                 return bound
@@ -331,9 +417,17 @@ class _Search:
             if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
                 heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
                 continue
+            if self.configuration(c) not in self.phases:
+                self.prefix(c)
+                bound = self.phase_bound(c, floor=False)
+                if bound is not None and bound > self.limit:
+                    self.pruned(c, f"its forward and backward alone need {format_bytes(bound)}", bound=bound)
+                    continue
             lower = self.lower_bound(c)
             if lower > self.limit:
-                self.pruned(c, f"model state and optimizer step alone need {format_bytes(lower)}", bound=lower)
+                alone = "model state and optimizer step" if (c.optimizer, WEIGHTS[c.precision], c.lora) in self.floors \
+                    else "model state"
+                self.pruned(c, f"{alone} alone need {format_bytes(lower)}", bound=lower)
                 continue
             bound = self.phase_bound(c)
             if bound is not None and bound > self.limit:

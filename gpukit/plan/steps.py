@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .._torch import ScalerThatAlwaysSteps, active_fake_mode
+from .._torch import ScalerThatAlwaysSteps, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up
+from ..estimate import state_bytes
 from ..factories import fake_model, swappable_fakes
 from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
 from .candidates import Candidate
@@ -146,6 +148,98 @@ class _Phases:
         return False
 
 
+class _Stop(Exception):
+    """Ends a prefix of a step (``_prefix_step``) where its bound is known."""
+
+
+def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough: Callable[[int, bool], bool]):
+    """The candidate's step as ``_step_for`` runs it, up to its optimizer step (the GradScaler's), never into it,
+    for ``predict(..., warmup_steps=0)`` with an optimizer that has no state: a bound of the step's need before its
+    optimizer step, for any optimizer, at a fraction of a prediction's cost (no warm-up step, no optimizer step,
+    and it stops where ``enough(allocated, forward)`` says so: the allocated bytes so far, at the end of the
+    first forward or later).
+
+    Into ``found``, in bytes: "base", what the step starts with (parameters, buffers, the batch: rounded storages,
+    as ``state_bytes``); the step's allocated peak above its start by the end of its first forward (its loss
+    returned, else the model's output) into "forward", and by where it stopped into "backward"; "residual", what
+    the step made that outlives it (a cache a module keeps), gradients aside: a real step finds it made by its
+    warm-up and does not count it; and, where it got to the optimizer step, whether every trained parameter has a
+    gradient ("every_grad": then every optimizer has state for each, as its floor does). Once ``predict`` has
+    returned, ``prefix_residual(found)`` gives "residual".
+
+    Without the warm-up the step has no gradients to free first (``zero_grad``) and no optimizer state: the same
+    model, batch and techniques allocate the same, so the predicted step's allocated peak is at least "base" +
+    a phase - "residual" + the optimizer's state (+ the CUDA workspaces, left out), and its need at least that."""
+    technique = candidate.technique(accumulate)
+    loss = candidate_loss(candidate, loss)
+
+    def step(model, optimizer, batch):
+        tally = FAKE_LEDGER.tallies[-1]
+        found["base"] = state_bytes(model, optimizer, batch)[0]
+        scaler = ScalerThatAlwaysSteps(batch_device(batch).type) if technique.amp is torch.float16 else None
+        calls = {"output": 0, "loss": 0}
+        first = [True]  # in the first forward (no backward has begun)
+
+        def reached(end_of_forward: bool = False, owner_step: bool = False) -> None:
+            FAKE_LEDGER.settle()
+            if first[0]:
+                found["forward"] = tally.peak
+                first[0] = not end_of_forward
+            found["backward"] = tally.peak
+            if owner_step:
+                found["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+            if owner_step or enough(found["base"] + tally.peak, end_of_forward):
+                raise _Stop
+
+        def counted(what: str) -> bool:
+            calls[what] += 1
+            return calls[what] == 1  # the first forward's (a later output is the next micro-batch's, or backward's)
+
+        def measured(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            reached(counted("loss"))
+            return value
+
+        def stop(*args, **kwargs):
+            reached(owner_step=True)
+
+        for owner in (scaler, optimizer):
+            if owner is not None:
+                owner.step = stop
+        # Where the bytes so far are read, besides the ends of forwards: after each module's forward, and after each
+        # gradient is accumulated (hooks that allocate nothing and leave the graph as it is).
+        hooks = [m.register_forward_hook(lambda *_: reached()) for m in model.modules() if m is not model]
+        hooks += [p.register_post_accumulate_grad_hook(lambda _: reached()) for p in model.parameters()
+                  if p.requires_grad]
+        # The first forward ends with its loss (train_step's own after the model's output, where loss is None).
+        hooks.append(model.register_forward_hook(lambda *_: reached(counted("output") and loss is None)))
+        try:
+            with _offload() if candidate.offload else contextlib.nullcontext():  # as _step_for's
+                train_step(model, optimizer, batch, technique, scaler, loss=measured if loss is not None else None)
+        except _Stop:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # What outlives the step (read once predict has stopped its tally, after its role tracker has let go of
+        # the graph of a step stopped in its forward): the scaler is kept for it, as a real step's is kept.
+        found["tally"], found["scaler"] = tally, scaler
+        grads = {id(st): st.nbytes() for st in (p.grad.untyped_storage() for p in model.parameters()
+                                                if p.grad is not None)}
+        found["grads"] = sum(round_up(n) for n in grads.values())
+
+    return step
+
+
+def prefix_residual(found: dict) -> int:
+    """After ``predict`` has run a ``_prefix_step``: what the step made that was still allocated when the prediction
+    stopped counting (its tally's level then), but its gradients: a cache a module or a library keeps, the
+    GradScaler's scale. A real step finds them made by its warm-up step and does not count them."""
+    tally = found.pop("tally")
+    found.pop("scaler", None)
+    return max(tally.level - found["grads"], 0)
+
+
 def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
     """The optimizer's state as ``gpukit.estimate.state_bytes`` counts it (each storage once, rounded), less what
     it shares with the model (parameters, buffers, gradients)."""
@@ -159,8 +253,11 @@ def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
 
 def with_lora(model: nn.Module) -> nn.Module:
     """``model`` with LoRA adapters (``peft.get_peft_model``): its weights frozen, rank-``LORA_RANK`` adapters
-    trained on ``lora_targets``."""
-    import peft
+    trained on ``lora_targets``. peft is imported outside any fake mode: tensors it makes when imported (default
+    arguments of its LoHa layers) stay real, and no fake storage lives on in its modules, which would make every
+    later prediction collect all garbage first."""
+    with _disable_current_modes():
+        import peft
 
     return peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
                                                       target_modules=lora_targets(model)))
