@@ -4,6 +4,8 @@ pruned candidate's own prediction, and never the reason the true cheapest recipe
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -201,3 +203,23 @@ def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model():
             if r.need is None and r.bound is not None:
                 assert r.fits is False and limit < r.bound <= every[r.candidate].need, (fraction, r.candidate)
         assert search.predictions < exhaustive.predictions
+
+
+def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
+    """Device: none. bitsandbytes' 8-bit AdamW, alone and stepped in backward (one optimizer per parameter): its
+    quantisation maps computed once for every optimizer built under fake tensors leave the prediction as it was
+    (allocated and reserved peaks, what the step starts with), on the CPU's and CUDA's rules."""
+    pytest.importorskip("bitsandbytes")
+    import sys
+
+    facts = sys.modules["gpukit.plan.facts"]
+    _, make, _ = facts._eight_bit(lambda p: torch.optim.AdamW(p))
+    make_model, _, make_batch = gpt_case()
+    for make_optimizer in (make, facts._in_backward(make)):
+        for device in ("cpu", "cuda"):
+            once = predict(make_model, make_optimizer, make_batch, device=device)
+            with monkeypatch.context() as m:
+                m.setattr(facts, "_maps_once", contextlib.nullcontext)
+                each = predict(make_model, make_optimizer, make_batch, device=device)
+            assert (once.peak, once.reserved_peak, once.before_step) == (each.peak, each.reserved_peak,
+                                                                          each.before_step)

@@ -21,6 +21,11 @@ How the search stays cheap (every shortcut is stated in the table):
   before the step is counted at its full size.
 * Model state and the optimizer step alone (no forward, no activations) are predicted once per optimizer and
   parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted.
+* Before any candidate of a configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked
+  loss) is predicted, its step runs without the warm-up up to the optimizer step, and stops as soon as what it
+  allocated puts the configuration over the budget: with what outlives the step taken out, a lower bound of
+  every candidate of the configuration, whatever its optimizer (with its state where every parameter got a
+  gradient). Most configurations that do not fit end there, at the cost of a forward.
 * Up to the optimizer step, a step allocates the same whatever the optimizer (not one stepped in backward) but
   for the optimizer's state: one prediction of a configuration (precision, micro-batches, checkpointing,
   offload, LoRA, chunked loss) gives, with each optimizer's floor, a lower bound of that configuration with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -12,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._torch import FakeTensorMode, _disable_current_modes
+from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
@@ -217,7 +218,9 @@ def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
     kwargs = {"lr": d["lr"], "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"]}
 
     def make(params):
-        return getattr(_bnb_optim(), name)(params, **kwargs)
+        optim = _bnb_optim()
+        with _maps_once():
+            return getattr(optim, name)(params, **kwargs)
 
     make.recipe = ("import bitsandbytes as bnb", f"bnb.optim.{name}(model.parameters(), "
                    + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")")
@@ -238,6 +241,36 @@ def _bnb_optim():
     finally:
         log.setLevel(level)
     return bitsandbytes.optim
+
+
+_MAPS: dict[tuple, list[float]] = {}  # bitsandbytes' quantisation maps, by their arguments, as computed for real
+
+
+@contextlib.contextmanager
+def _maps_once():
+    """While an 8-bit optimizer is built under fake tensors: bitsandbytes' quantisation maps
+    (``create_dynamic_map``, two per optimizer) are computed once, for real, and each optimizer gets its own
+    tensor of those values, made as bitsandbytes makes it (``torch.tensor`` of the list). Under fake tensors each
+    map otherwise reads its 256 values one at a time (``.tolist()``): a tenth of a second per optimizer, and an
+    optimizer stepped in backward builds one per parameter. Outside a fake mode nothing changes."""
+    import bitsandbytes.functional as F
+
+    original = F.create_dynamic_map
+
+    def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
+        if active_fake_mode() is None:
+            return original(signed, max_exponent_bits, total_bits)
+        key = (signed, max_exponent_bits, total_bits)
+        if key not in _MAPS:
+            with _disable_current_modes():
+                _MAPS[key] = original(signed, max_exponent_bits, total_bits).tolist()
+        return torch.tensor(_MAPS[key], dtype=torch.float32)
+
+    F.create_dynamic_map = create_dynamic_map
+    try:
+        yield
+    finally:
+        F.create_dynamic_map = original
 
 
 def _in_backward(make_optimizer) -> Callable:

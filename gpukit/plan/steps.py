@@ -206,11 +206,10 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         for owner in (scaler, optimizer):
             if owner is not None:
                 owner.step = stop
-        # Where the bytes so far are read, besides the ends of forwards: after each module's forward, and after each
-        # gradient is accumulated (hooks that allocate nothing and leave the graph as it is).
+        # Where the bytes so far are read, besides the ends of forwards: after each module's forward (hooks that
+        # allocate nothing). Not in backward: a step stopped there leaves its graph held until the prediction ends,
+        # and it would count as what outlives the step.
         hooks = [m.register_forward_hook(lambda *_: reached()) for m in model.modules() if m is not model]
-        hooks += [p.register_post_accumulate_grad_hook(lambda _: reached()) for p in model.parameters()
-                  if p.requires_grad]
         # The first forward ends with its loss (train_step's own after the model's output, where loss is None).
         hooks.append(model.register_forward_hook(lambda *_: reached(counted("output") and loss is None)))
         try:
