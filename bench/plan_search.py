@@ -4,10 +4,13 @@ and for a transformers Llama of 1.24 billion parameters, beside one predict() of
 The model is GPT-3 XL's shape (24 layers of width 2048, 16 heads, sequences of 1024 tokens, GPT-2's vocabulary
 of 50,257 with an untied output layer: 1.42 billion parameters) with AdamW, a batch of 8 sequences; the plan is
 for CUDA (reserved memory, context allowance) and every prediction runs under fake tensors, so nothing of the
-model is allocated. Reported: seconds, predictions made, candidates pruned, and what it chose.
-Writes bench/out/plan_search.csv.
+model is allocated. Every plan tries the user's AdamW and plan()'s default variants of it (its for-loop and fused
+steps, bitsandbytes' AdamW8bit, and both stepped in backward), no other optimizer. Reported: seconds, predictions
+made (bounds from a prefix of a step and floors count as predictions), candidates pruned, and what it chose.
+Writes bench/out/plan_search.csv (all cases); one case alone (``llama``, ``gpt``, ``gpt4``) only prints.
 
     python3 kit.py bench plan_search
+    cd bench && OMP_NUM_THREADS=1 ../.venv/bin/python plan_search.py llama
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ def make_batch():
 
 
 CASES = {
-    # name: plan() keyword arguments
-    "1 GPU, AdamW only": {},
-    "4 GPUs, AdamW only": {"gpus": 4, "accumulate": [1, 2]},
+    # key: (name, plan() keyword arguments); AdamW and its variants (implementations=True, plan()'s default)
+    "gpt": ("1 GPU, AdamW and its variants", {}),
+    "gpt4": ("4 GPUs, AdamW and its variants, accumulate 1 or 2", {"gpus": 4, "accumulate": [1, 2]}),
 }
 
 
@@ -88,14 +91,16 @@ def llama_rows() -> list[dict]:
                          "choice": f"{pl.choice.candidate.label} [{pl.choice.candidate.optimizer}]" if pl.choice
                          else "nothing fits", "choice need GB": round(pl.choice.need / 1e9, 2) if pl.choice else None,
                          "torch": torch.__version__})
-            print(f"{rows[-1]['case']:<58} {seconds:6.1f} s  {pl.predictions:>3} predictions; {rows[-1]['choice']}",
-                  flush=True)
+            print(f"{rows[-1]['case']:<58} {seconds:6.1f} s  {pl.predictions:>3} predictions; {rows[-1]['choice']}"
+                  f"{f' (need {pl.choice.need:,} B)' if pl.choice else ''}", flush=True)
     return rows
 
 
-def main() -> list[dict]:
-    rows = llama_rows()
-    for name, kwargs in CASES.items():
+def main(only: list[str] | None = None) -> list[dict]:
+    rows = llama_rows() if not only or "llama" in only else []
+    for key, (name, kwargs) in CASES.items():
+        if only and key not in only:
+            continue
         t0 = time.perf_counter()
         p = plan(lambda: TinyGPT(GPT_1_3B), lambda params: torch.optim.AdamW(params, lr=3e-4), make_batch,
                  BUDGET, alternatives=0, **kwargs)
@@ -108,9 +113,10 @@ def main() -> list[dict]:
                "choice need GB": round(p.choice.need / 1e9, 2) if p.choice else None,
                "torch": torch.__version__}
         rows.append(row)
-        print(f"{name:<22} {seconds:6.1f} s  {p.predictions:>3} predictions, {pruned}/{len(p.rows)} pruned; "
-              f"{row['choice']}", flush=True)
-    write_csv("plan_search.csv", rows)
+        print(f"{name:<58} {seconds:6.1f} s  {p.predictions:>3} predictions, {pruned}/{len(p.rows)} pruned; "
+              f"{row['choice']}{f' (need {p.choice.need:,} B)' if p.choice else ''}", flush=True)
+    if not only:
+        write_csv("plan_search.csv", rows)
     return rows
 
 
@@ -120,4 +126,6 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:] or None)
