@@ -51,7 +51,7 @@ COLUMNS = ["notebook", "card", "status", "assertions", "cpu_assertions", "failed
            "fits", "seconds", "shortened", "first_failure"]
 
 
-def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> dict:
+def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, progress: Path | None = None) -> dict:
     """Run one notebook for a card ("cpu": its own CPU sizes) and return its row. Past ``limit`` seconds the kernel
     is interrupted; one that is still busy ``grace`` seconds later (code that catches the interrupt, a long op that
     does not return to Python) is killed, and the row says so."""
@@ -65,7 +65,8 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0) -> d
 
     c = None if card_key == "cpu" else card_named(card_key)
     nb = nbformat.read(path, as_version=4)
-    nb.cells.insert(0, nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import install; install()"))
+    nb.cells.insert(0, nbformat.v4.new_code_cell(
+        f"from gpukit.lessons.rehearsal import install; install({str(progress) if progress else None!r})"))
     nb.cells.append(nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import report; report()"))
     row = {"notebook": path.stem, "card": card_key, "status": "complete", "errors": 0,
            "context_bytes": CONTEXT_ALLOWANCE if c else 0, "card_bytes": card_memory(c) if c else None,
@@ -147,6 +148,7 @@ def isolated(path: Path, card_key: str, limit: float, grace: float = 120.0, slac
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
+        progress = out.with_name("progress.json")  # the kernel's findings so far, after each cell
         proc = subprocess.Popen([sys.executable, __file__, "--card", card_key, "--limit", str(limit), "--grace",
                                  str(grace), "--one", str(out), str(path)])
         try:
@@ -158,8 +160,13 @@ def isolated(path: Path, card_key: str, limit: float, grace: float = 120.0, slac
             why = f"not rehearsed to its end: its runner still waited {limit + grace + slack:.0f} s on, and was killed"
         if out.is_file():
             return json.loads(out.read_text())
-    return {"notebook": path.stem, "card": card_key, "status": why, "assertions": None, "failed": None, "errors": 0,
-            "fits": False, "seconds": round(time.perf_counter() - start, 1), "first_failure": ""}
+        row = {"notebook": path.stem, "card": card_key, "status": why, "assertions": None, "failed": None, "errors": 0,
+               "fits": False, "seconds": round(time.perf_counter() - start, 1), "first_failure": ""}
+        if progress.is_file():  # what the kernel had found when it was killed: assertions evaluated up to there
+            found = json.loads(progress.read_text())
+            failures = found.pop("failures")
+            row.update(found, first_failure=failures[0] if failures else "")
+    return row
 
 
 def kill_tree(pid: int) -> None:
@@ -239,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one notebook, its row to this file
     args = parser.parse_args(argv)
     if args.one is not None:
-        args.one.write_text(json.dumps(rehearse(args.notebooks[0].resolve(), args.card, args.limit, args.grace)))
+        row = rehearse(args.notebooks[0].resolve(), args.card, args.limit, args.grace,
+                       progress=args.one.with_name("progress.json"))
+        args.one.write_text(json.dumps(row))
         return 0
     if args.card != "cpu":
         from gpukit.cards import card as card_named

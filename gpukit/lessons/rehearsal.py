@@ -37,6 +37,8 @@ class _Counter:
                 text = f"(its message raised {e!r})"
             self.failures.append(f"{where}{': ' + str(text) if text is not None else ''}")
 
+    progress: str | None = None  # a file rewritten after each cell with what ``found()`` says
+
     def after_cell(self, *_) -> None:
         from gpukit.allocator import cpu_device
 
@@ -45,6 +47,20 @@ class _Counter:
             stats = device.allocator.memory_stats()
             self.peak_allocated = max(self.peak_allocated, stats["allocated_bytes.all.peak"])
             self.peak_reserved = max(self.peak_reserved, stats["reserved_bytes.all.peak"])
+        if self.progress is not None:  # what a runner that has to kill this kernel still learns
+            import os
+
+            partial = f"{self.progress}.part"
+            with open(partial, "w") as f:
+                json.dump(self.found(), f)
+            os.replace(partial, self.progress)
+
+    def found(self) -> dict:
+        import resource
+
+        return {"assertions": self.evaluated, "failed": self.failed, "failures": self.failures[:5],
+                "peak_allocated_bytes": self.peak_allocated, "peak_reserved_bytes": self.peak_reserved,
+                "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 class _CountAsserts(ast.NodeTransformer):
@@ -64,8 +80,9 @@ class _CountAsserts(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(call), node)
 
 
-def install() -> None:
-    """In the lesson's kernel, before its first cell: count its assertions and follow the allocator's peaks."""
+def install(progress: str | None = None) -> None:
+    """In the lesson's kernel, before its first cell: count its assertions and follow the allocator's peaks (and,
+    with ``progress``, write what is found so far to that file after every cell)."""
     from IPython import get_ipython
 
     from gpukit.allocator import reset_cpu_device
@@ -76,6 +93,7 @@ def install() -> None:
         reset_cpu_device(total_memory=card_memory(card))
     shell = get_ipython()
     counter = _Counter()
+    counter.progress = progress
     shell.user_ns["__gpukit_rehearsal__"] = counter
     shell.ast_transformers.append(_CountAsserts(shell))
     shell.events.register("post_run_cell", counter.after_cell)
@@ -83,16 +101,11 @@ def install() -> None:
 
 def report() -> None:
     """In the lesson's kernel, after its last cell: one line with what the rehearsal found."""
-    import resource
-
     from IPython import get_ipython
 
     counter = get_ipython().user_ns["__gpukit_rehearsal__"]
     counter.after_cell()
-    print(MARK + json.dumps({"assertions": counter.evaluated, "failed": counter.failed,
-                             "failures": counter.failures[:5], "peak_allocated_bytes": counter.peak_allocated,
-                             "peak_reserved_bytes": counter.peak_reserved,
-                             "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(MARK + json.dumps(counter.found()))
 
 
 __all__ = ["install", "report", "MARK"]
