@@ -46,7 +46,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
