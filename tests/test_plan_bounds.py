@@ -187,11 +187,12 @@ def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model():
     its need are the exhaustive search's cheapest fitting candidate's, every candidate a bound pruned does not fit,
     and the plan predicts less than the exhaustive search."""
     case = llama_case()
-    options = dict(precisions=("float32", "fp16", "bf16 weights"), offload=True, loss=resolve_loss("model"))
+    # (float16 with its GradScaler is bounded in the test above; here two precisions and two budgets keep it short)
+    options = dict(precisions=("float32", "bf16 weights"), offload=True, loss=resolve_loss("model"))
     exhaustive = search_for(case, "cuda", **options)
     every = {c: exhaustive.evaluate(c) for c in exhaustive.candidates()}
     most, least = max(r.need for r in every.values()), min(r.need for r in every.values())
-    for fraction in (0.8, 0.4, 0.1):
+    for fraction in (0.6, 0.1):
         limit = int(least + (most - least) * fraction)
         fitting = [r for r in every.values() if r.need <= limit]
         cheapest = min(fitting, key=lambda r: exhaustive.key(r.candidate, r.copy_bytes))
