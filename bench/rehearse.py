@@ -126,11 +126,12 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, prog
     row["seconds"] = round(time.perf_counter() - start, 1)
     found = next((json.loads(line[len(MARK):]) for o in nb.cells[-1].get("outputs", [])
                   for line in o.get("text", "").splitlines() if line.startswith(MARK)), None)
+    if found is None and progress is not None and progress.is_file():  # killed: what it had found by its last cell
+        found = json.loads(progress.read_text())
     if found is None:
         row.update(assertions=None, failed=None, fits=False, first_failure="")
         return row
-    failures = found.pop("failures")
-    row.update(found, first_failure=failures[0] if failures else "")
+    _take(row, found)
     if not row["first_failure"] and row["errors"]:
         row["first_failure"] = next(f"{o['ename']}: {o['evalue']}"[:300] for cell in nb.cells
                                     for o in cell.get("outputs", []) if o.get("output_type") == "error")
@@ -163,10 +164,14 @@ def isolated(path: Path, card_key: str, limit: float, grace: float = 120.0, slac
         row = {"notebook": path.stem, "card": card_key, "status": why, "assertions": None, "failed": None, "errors": 0,
                "fits": False, "seconds": round(time.perf_counter() - start, 1), "first_failure": ""}
         if progress.is_file():  # what the kernel had found when it was killed: assertions evaluated up to there
-            found = json.loads(progress.read_text())
-            failures = found.pop("failures")
-            row.update(found, first_failure=failures[0] if failures else "")
+            _take(row, json.loads(progress.read_text()))
     return row
+
+
+def _take(row: dict, found: dict) -> None:
+    """Put what the kernel reported (``gpukit.lessons.rehearsal``'s ``found()``) into the notebook's row."""
+    failures = found.pop("failures")
+    row.update(found, first_failure=failures[0] if failures else "")
 
 
 def kill_tree(pid: int) -> None:
