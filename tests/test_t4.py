@@ -121,7 +121,7 @@ CASES = {"00_where_memory_goes": mlp_case(2),   # the MLP whose parameters, grad
 
 @pytest.mark.parametrize("card", CARDS)
 @pytest.mark.parametrize("name", CASES)
-def test_the_notebooks_gpu_sized_step_fits_a_t4_with_headroom(name, card, monkeypatch):
+def test_the_notebooks_gpu_sized_step_fits_its_card_with_headroom(name, card, monkeypatch):
     """Device: cpu (fake tensors), predicting a T4 (cuda), and an H100 at the sizes an 80 GB card gets."""
     settings = gpu_settings(name, monkeypatch, card)
     make_model, make_batch, *step = CASES[name](settings)
