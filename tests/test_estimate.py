@@ -61,6 +61,19 @@ def test_prediction_breaks_the_state_down_by_role():
     assert p.modules[0]["parameter bytes"] == P
 
 
+def test_a_prediction_without_its_breakdown_has_the_same_bytes_on_cpu_and_cuda():
+    """``breakdown=False`` drops the tables by role and by module, never a byte (CPU rules and CUDA's)."""
+    make = (lambda: TinyGPT(GPTConfig(n_layer=2)), lambda q: torch.optim.AdamW(q),
+            lambda: (torch.zeros(16, 63, dtype=torch.long), torch.zeros(16, 63, dtype=torch.long)))
+    for device in ("cpu", "cuda"):
+        full, bare = predict(*make, device=device), predict(*make, device=device, breakdown=False)
+        assert full.roles_peak and full.modules and not bare.roles_peak and not bare.modules
+        assert (bare.peak, bare.before_step, bare.reserved_peak, bare.workspaces) == \
+            (full.peak, full.before_step, full.reserved_peak, full.workspaces)
+    with pytest.raises(TypeError, match="breakdown=.no.: True"):
+        predict(*make, breakdown="no")
+
+
 def test_a_billion_parameter_model_is_predicted_without_allocating_it():
     # four wide layers rather than sixteen: as many parameters, a quarter of the ops to run under fake tensors
     cfg = GPTConfig(vocab_size=32000, block_size=512, n_layer=4, n_head=32, n_embd=4096)

@@ -45,6 +45,25 @@ from .steps import (
 # -- the plan ----------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _state_by_foreach(optimizer):
+    """A for-loop step's state, made by the foreach step: the state is made by the optimizer's ``_init_group``,
+    which both implementations call alike (torch/optim/adam.py: only ``fused`` and ``capturable`` change where
+    ``step`` lives), and the foreach step dispatches a few ops over all parameters where the for-loop one
+    dispatches each per parameter (``gpukit.estimate._foreach_warmup`` makes a warm-up so). Only the state is
+    read from such a step (``_Search.state_info``), never its peak."""
+    optimizers = list(getattr(optimizer, "optimizers", {}).values()) or [optimizer]  # stepped in backward: one each
+    changed = [(g, g["foreach"]) for opt in optimizers for g in getattr(opt, "param_groups", [])
+               if "foreach" in g and not g["foreach"] and not g.get("fused") and not g.get("differentiable", False)]
+    for g, _ in changed:
+        g["foreach"] = True
+    try:
+        yield
+    finally:
+        for g, was in changed:
+            g["foreach"] = was
+
+
 def _stateless(params) -> torch.optim.Optimizer:
     """The optimizer of a prefix run (``_Search.prefix``): it is never stepped, and has no state."""
     return torch.optim.SGD(params, lr=0.1)
@@ -220,7 +239,7 @@ class _Search:
             info: dict = {}
             p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                         lambda: (),
-                        step=_optimizer_only(info), device=self.device, card=self.card)
+                        step=_optimizer_only(info), device=self.device, card=self.card, breakdown=False)
             self.predictions += 1
             info["peak"] = p.peak
             self.floors[key] = info
@@ -242,7 +261,8 @@ class _Search:
                     optimizer = self.optimizers[c.optimizer][0](model.parameters())
                 if self.device == "cuda":
                     use_cuda_optimizer_defaults(optimizer)
-                _optimizer_only(info)(model, optimizer, ())
+                with _state_by_foreach(optimizer):
+                    _optimizer_only(info)(model, optimizer, ())
                 info["before"] = state_bytes(model, optimizer)[0]
             self.states[key] = info
         return self.states[key]
@@ -362,7 +382,7 @@ class _Search:
         p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), _stateless,
                     _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
                     step=_prefix_step(c, proxy_k, self.loss, found, enough), warmup_steps=0, device=self.device,
-                    card=self.card)
+                    card=self.card, breakdown=False)
         self.predictions += 1
         # The CUDA workspaces of the matrix products it ran: a real step, its warm-up's included, runs them too.
         base = found["base"] + p.workspaces - prefix_residual(found)
