@@ -49,8 +49,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
+from .allocator import CachingAllocator, follow
 from .cudarules import CudaRules, sdpa_backend, use_cuda_optimizer_defaults
-from .counter import FAKE_LEDGER, gc_paused
+from .counter import FAKE_LEDGER, gc_paused, round_up
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
 from .report import format_bytes, html_table
 from .step import map_tensors, train_step
@@ -234,6 +235,7 @@ class OffloadPrediction:
     device: str = field(default="meta (simulated GPU)")
     card: str | None = None  # the card whose attention kernels it ran (gpukit.cards), None: a Hopper GPU's
     workspaces: int = 0      # cuBLAS/cuBLASLt workspaces on the GPU, included in device_state
+    reserved_peak: int | None = None  # the GPU's reserved bytes at the step's peak (simulated caching allocator)
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA's kernel -> calls, per step run
 
     @property
@@ -250,6 +252,8 @@ class OffloadPrediction:
                 ("device", f"{self.device}: fake tensors, nothing allocated, no copy made"),
                 ("GPU when the step starts", format_bytes(self.device_state)),
                 ("GPU peak", f"{format_bytes(self.device_peak)}  ({self.device_peak:,} B)"),
+                *([("GPU reserved at the peak (simulated allocator)", format_bytes(self.reserved_peak))]
+                  if self.reserved_peak is not None else []),
                 ("host when the step starts", format_bytes(self.host_state)),
                 ("host peak", f"{format_bytes(self.host_peak)}  ({self.host_peak:,} B)"),
                 ("copied to the host per step", f"{format_bytes(c.device_to_host)} in {c.copies_to_host} copies"),
@@ -302,9 +306,12 @@ def predict_offload(make_model: Callable[[], nn.Module],
     rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
     FAKE_LEDGER.settle()
     t0 = time.perf_counter()
+    # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
+    # pinned or pageable host memory), from the model's first tensor on, as in predict().
     with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             cuda_stand_ins(), _fused_on_the_simulated_device(), \
-            _CardAttentionOnTheSimulatedDevice(rules.capability), rules:
+            _CardAttentionOnTheSimulatedDevice(rules.capability), rules, \
+            follow(FAKE_LEDGER, only=SIMULATED_DEVICE) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
         model = optimizer = batch = None
@@ -332,12 +339,14 @@ def predict_offload(make_model: Callable[[], nn.Module],
             collect_young()  # what the warm-up left is freed before the step, not inside it
             on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
             device_state, host_state = kept[0].level, kept[1].level
+            watch = simulated.watch()
             try:
                 with copies() as traffic:
                     step(model, optimizer, batch)
             finally:
                 for tally in reversed(on_step):
                     FAKE_LEDGER.stop(tally)
+                reserved_peak = simulated.unwatch(watch)
             n_params = sum(p.numel() for p in model.parameters())
         finally:
             for tally in reversed(kept):
@@ -348,10 +357,13 @@ def predict_offload(make_model: Callable[[], nn.Module],
         collect_young()
     device, host, both = on_step
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
+    # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
+    reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
     return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device.peak,
                              host_state=host_state, host_step_peak=host.peak, combined_step_peak=both.peak,
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
                              card=card.key if card is not None else None, workspaces=workspaces,
+                             reserved_peak=reserved_peak,
                              attention_kernels=dict(rules.sdpa))
 
 

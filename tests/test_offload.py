@@ -218,7 +218,8 @@ def test_a_llama_3_2_1b_shape_with_torchao_keeps_on_the_gpu_only_weights_gradien
 def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_the_byte(card, dtype, padded):
     """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU, for an H100 and a T4. A fused AdamW
     keeps everything on the GPU, its step counters too: the two predictions agree to the byte, before the step and
-    at its peak, with the same attention kernels (flash, memory-efficient with the padding mask, the math one for
+    at its peak, allocated and reserved (the simulated caching allocator fed the simulated GPU's storages alone, the
+    host's left out), with the same attention kernels (flash, memory-efficient with the padding mask, the math one for
     bfloat16 on a T4). Without the CUDA rules the simulated device took the math kernel for every call (meta has no
     fused choice), and the for-loop optimizer instead of CUDA's foreach one."""
     def make():
@@ -236,6 +237,7 @@ def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_t
     on_cpu = predict(make, fused, batch, hf_step, card=card)
     simulated = predict_offload(make, fused, batch, hf_step, card=card)
     assert (simulated.device_state, simulated.device_peak) == (on_cpu.before_step, on_cpu.peak)
+    assert simulated.reserved_peak == on_cpu.reserved_peak
     assert simulated.attention_kernels == on_cpu.attention_kernels
     expected = "math" if (card, dtype) == ("t4", torch.bfloat16) else \
         "efficient" if padded or dtype == torch.float32 else "flash"
