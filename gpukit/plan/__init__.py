@@ -81,7 +81,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
          tflops: float | None = None, memory_bandwidth: int | str | None = None, host_bandwidth: int | str = "16GB",
          alternatives: int = 2, verify: bool = True,
          loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True,
-         card: str | None = None) -> Plan:
+         card: str | None = None, host_memory: int | str | None = None,
+         host_memory_bandwidth: int | str = "51.2GB") -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
@@ -173,8 +174,16 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     allowance = (CONTEXT_ALLOWANCE if device == "cuda" else 0) if allowance is None else \
         (0 if allowance == 0 else parse_bytes(allowance))
     speeds = {}
-    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth)):
+    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth),
+                        ("host_memory_bandwidth", host_memory_bandwidth)):
         speeds[name] = parse_bytes(value)
+    if host_memory is not None:
+        try:
+            host_memory = parse_bytes(host_memory)
+        except ValueError as err:
+            raise ValueError(f"host_memory={host_memory!r}: the host's memory for optimizer state kept there, bytes "
+                             f"or a size such as '12.7GB' or '64 GiB' (B, KB, MB, GB, KiB, MiB, GiB), or None (not "
+                             f"limited); {err}") from None
     if not (isinstance(tflops, (int, float)) and tflops > 0):
         raise ValueError(f"tflops={tflops!r}: the GPU's arithmetic rate in TFLOP/s, a positive number")
     if not isinstance(lora, bool):
@@ -186,7 +195,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
                      host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
-                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu)
+                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu, host_memory=host_memory,
+                     host_memory_bandwidth=speeds["host_memory_bandwidth"])
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):
