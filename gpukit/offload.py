@@ -38,6 +38,7 @@ is. On a GPU, use the optimizer as it is and measure with ``gpukit.measure("cuda
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -181,10 +183,34 @@ class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
         super().__init__()
         self.capability = capability
 
+    def __enter__(self):
+        # Backward runs without the forward's torch-function modes (the engine does not carry them), so the forward
+        # that checkpointing recomputes there would take the math composite on 'meta' and save other tensors than
+        # the first forward did (torch.utils.checkpoint refuses that). The function itself, looked up by its name
+        # at each call (torch.nn.functional.scaled_dot_product_attention, as transformers and most models call it),
+        # takes the card's kernel too while the mode is open.
+        self.original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = functools.wraps(self.original)(
+            lambda *args, **kwargs: self.attention(self.original, args, kwargs))
+        try:
+            return super().__enter__()
+        except BaseException:
+            F.scaled_dot_product_attention = self.original
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            F.scaled_dot_product_attention = self.original
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
+        if func is not self.original and func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
+        return self.attention(func, args, kwargs)
+
+    def attention(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
         query, key, value, mask = (given.get(n) for n in names[:4])

@@ -285,3 +285,22 @@ def test_an_unknown_card_is_refused_before_anything_is_built():
         predict_offload(lambda: built.append(1) or llama(), lambda ps: torch.optim.AdamW(ps), text_batch, hf_step,
                         card="a card nobody makes")
     assert built == [] and torch.cuda.Stream is before
+
+
+@pytest.mark.parametrize("card", ["h100", "t4"])
+def test_a_checkpointed_model_recomputes_its_attention_with_the_cards_kernel_on_the_simulated_gpu(card):
+    """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU. Backward runs without the forward's
+    torch-function modes, so the forward that checkpointing recomputes there took the math composite on 'meta' and
+    torch.utils.checkpoint refused its other saved tensors; the card's kernel is taken there too, and with a fused
+    AdamW the two predictions agree to the byte, allocated and reserved."""
+    def make():
+        model = llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    fused = lambda ps: torch.optim.AdamW(ps, fused=True)
+    on_cpu = predict(make, fused, text_batch, hf_step, card=card)
+    simulated = predict_offload(make, fused, text_batch, hf_step, card=card)
+    assert (simulated.device_state, simulated.device_peak, simulated.reserved_peak) == \
+        (on_cpu.before_step, on_cpu.peak, on_cpu.reserved_peak)
+    assert simulated.attention_kernels == on_cpu.attention_kernels
