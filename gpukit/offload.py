@@ -278,8 +278,6 @@ class OffloadPrediction:
                 ("device", f"{self.device}: fake tensors, nothing allocated, no copy made"),
                 ("GPU when the step starts", format_bytes(self.device_state)),
                 ("GPU peak", f"{format_bytes(self.device_peak)}  ({self.device_peak:,} B)"),
-                *([("GPU reserved at the peak (simulated allocator)", format_bytes(self.reserved_peak))]
-                  if self.reserved_peak is not None else []),
                 ("host when the step starts", format_bytes(self.host_state)),
                 ("host peak", f"{format_bytes(self.host_peak)}  ({self.host_peak:,} B)"),
                 ("copied to the host per step", f"{format_bytes(c.device_to_host)} in {c.copies_to_host} copies"),
