@@ -12,8 +12,8 @@ activations sent to the host (``save_on_cpu``), another optimizer or optimizer i
 (the optimizer's state and step on the host among them: torchao's ``CPUOffloadOptimizer``), and with several
 GPUs DDP, ZeRO-1 or FSDP. Its peak is predicted exactly under fake tensors (``gpukit.estimate.predict``; with the
 optimizer's state on the host, ``gpukit.offload.predict_offload``: a simulated GPU beside the host), on reserved
-memory from the simulated caching allocator plus the context allowance for a CUDA plan. Nothing runs for real except, at the end, one step of the chosen recipe where the
-model is small enough for this machine.
+memory from the simulated caching allocator plus the context allowance for a CUDA plan. Nothing runs for real
+except, at the end, one step of the chosen recipe where the model is small enough for this machine.
 
 How the search stays cheap (every shortcut is stated in the table):
 
@@ -31,10 +31,10 @@ How the search stays cheap (every shortcut is stated in the table):
   every candidate of the configuration, whatever its optimizer (with its state where every parameter got a
   gradient). Most configurations that do not fit end there, at the cost of a forward.
 * Up to the optimizer step, a step allocates the same whatever the optimizer (not one stepped in backward, nor one
-  that frees each gradient once copied to the host) but for the optimizer's state: one prediction of a configuration (precision, micro-batches, checkpointing,
-  offload, LoRA, chunked loss) gives, with each optimizer's floor, a lower bound of that configuration with
-  every other optimizer (up to the first backward, with an optimizer stepped in backward). Over the budget:
-  not predicted.
+  that frees each gradient once copied to the host) but for the optimizer's state: one prediction of a
+  configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked loss) gives, with each optimizer's
+  floor, a lower bound of that configuration with every other optimizer (up to the first backward, with an
+  optimizer stepped in backward or one that frees each gradient on the GPU). Over the budget: not predicted.
 * Memory goes down as techniques are added (more micro-batches, checkpointing, offload): once two candidates of
   a group (optimizer, precision, parallelism) were predicted not to fit, the group's most saving one is; if it
   does not fit, no candidate of the group does.
@@ -150,8 +150,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 
     Raises:
         ValueError: for a budget, device, precision, strategy, accumulation or host memory that is not one (the
-            message lists what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose tensors do not
-            share a batch dimension), a ``loss`` that is none of the above, or an optimizer that already exists
+            message lists what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose
+            tensors do not share a batch dimension), a ``loss`` that is none of the above, or an optimizer that already exists
             returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
         TypeError: a model, optimizer or batch passed where the function that builds it is expected.
     """

@@ -99,7 +99,8 @@ class _Search:
                 self.optimizers[name] = (make, note, ROUNDING)
                 self.host[name] = gradients
         # (a host-offload optimizer is not built to ask: torchao asks for CUDA; it is an Adam or AdamW)
-        self.adam_like = {name: name in self.host or _adam_like(make) for name, (make, _, _) in self.optimizers.items()}
+        self.adam_like = {name: name in self.host or _adam_like(make)
+                          for name, (make, _, _) in self.optimizers.items()}
         ks = accumulate if accumulate is not None else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                         if self.rank_batch % k == 0]
         bad = [k for k in ks if not isinstance(k, int) or k < 1 or self.rank_batch % k]
@@ -193,12 +194,12 @@ class _Search:
     def candidates(self) -> list[Candidate]:
         found = []
         for opt in self.optimizers:
-            in_backward = self.one_micro_batch(opt)
+            in_backward = self.one_micro_batch(opt)  # (or frees each gradient in backward: no accumulation either)
             for precision in self.precisions:
                 if precision == "half" and self.adam_like[opt]:
                     continue  # eps (1e-8) is 0 in float16 and the second moment underflows: not safe
                 if opt in self.host and precision not in host.HOST_PRECISIONS:
-                    continue
+                    continue  # no autocast on the simulated GPU; fp16's GradScaler and half() not with torchao
                 if in_backward and precision == "fp16":
                     continue  # a GradScaler unscales and checks every gradient before any step
                 for strategy in self.strategies:
@@ -229,7 +230,8 @@ class _Search:
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         rank = self.numerics(c)[0]
-        return (rank == TRAINING, round(self.slowdown(c, (copy_bytes or 0) + self.host_copies(c)), 4), self.slow_dtype(c), rank,
+        slowdown = self.slowdown(c, (copy_bytes or 0) + self.host_copies(c))
+        return (rank == TRAINING, round(slowdown, 4), self.slow_dtype(c), rank,
                 c.accumulate, c.checkpointed,
                 c.offload, c.chunked_loss, c.lora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
@@ -407,8 +409,7 @@ class _Search:
     def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
         self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c, self.host_copies(c)),
-                                    numerics=rank,
-                                    numerics_note=note, tolerance=tol, bound=bound))
+                                    numerics=rank, numerics_note=note, tolerance=tol, bound=bound))
 
     def over(self, c: Candidate) -> int | None:
         """A lower bound of the candidate's need over the budget, without predicting it (its floor and the phases
