@@ -151,8 +151,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     Raises:
         ValueError: for a budget, device, precision, strategy, accumulation or host memory that is not one (the
             message lists what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose
-            tensors do not share a batch dimension), a ``loss`` that is none of the above, or an optimizer that already exists
-            returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
+            tensors do not share a batch dimension), a ``loss`` that is none of the above, or an optimizer that
+            already exists returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
         TypeError: a model, optimizer or batch passed where the function that builds it is expected.
     """
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .._torch import FakeTensorMode, _disable_current_modes
+from .._torch import _disable_current_modes
 from ..counter import round_up
 from ..report import format_bytes
 from .candidates import Candidate, Row
@@ -102,36 +102,30 @@ def _make(cls, gradients: bool, kwargs: dict) -> Callable:
 
 def state_info(search, c: Candidate) -> dict:
     """What the GPU holds of the model state when a host-offload candidate's step starts, as the floor's figures
-    (``_Search.state_info``), from the model alone under fake tensors (the optimizer is not built: torchao asks for
-    CUDA): the parameters and buffers, and the gradients (with ``offload_gradients``, only those of the parameters
-    kept on the GPU). The optimizer's state on the GPU (the small parameters') is taken as 0, so every figure is at
-    most what the GPU holds; "peak" is the same as "before" (no optimizer step is predicted). Also the bytes of
-    the parameters offloaded ("offloaded", unrounded: what a copy moves), their elements and count, and what the
-    host holds at least ("host": each offloaded parameter, its gradient and two moments)."""
-    gradients = search.host[c.optimizer]
-    key = (c.precision, c.lora)
-    if key not in search.host_models:  # one model built for both host optimizers
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = _model_maker(search.make_model, c.precision, lora=c.lora)()
-            params = list(model.parameters())
-            trained = [p for p in params if p.requires_grad]
-            big = [p for p in trained if p.numel() >= MINIMAL_SIZE]
-            storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in [*params, *model.buffers()]}
-            search.host_models[key] = {
-                "params": sum(round_up(p.untyped_storage().nbytes()) for p in params),
-                "model": sum(round_up(n) for n in storages.values()),
-                "grads": sum(round_up(p.untyped_storage().nbytes()) for p in trained),
-                "small_grads": sum(round_up(p.untyped_storage().nbytes()) for p in trained
-                                   if p.numel() < MINIMAL_SIZE),
-                "offloaded": sum(p.numel() * p.element_size() for p in big),
-                "offloaded_elements": sum(p.numel() for p in big), "offloaded_count": len(big),
-                "host": 4 * sum(round_up(p.numel() * p.element_size()) for p in big)}
-            del model, params, trained, big
-    known = search.host_models[key]
-    grads = known["small_grads"] if gradients else known["grads"]
-    before = known["model"] + grads
-    return {**{k: v for k, v in known.items() if k not in ("model", "small_grads")}, "grads": grads,
-            "optimizer_state": 0, "state": 0, "before": before, "peak": before}
+    (``_Search.state_info``), from the model's shapes (``_ModelFacts``; the optimizer is not built: torchao asks
+    for CUDA): the parameters and buffers, and the gradients (with ``offload_gradients``, only those of the
+    parameters kept on the GPU). The optimizer's state on the GPU (the small parameters') is taken as 0, so every
+    figure is at most what the GPU holds; "peak" is the same as "before" (no optimizer step is predicted). Also the
+    bytes of the parameters offloaded ("offloaded", unrounded: what a copy moves), their elements and count, and
+    what the host holds at least ("host": each offloaded parameter, its gradient and two moments). ``bf16 weights``
+    is ``model.to(torch.bfloat16)``: every floating-point parameter and buffer in 2 bytes."""
+    facts = search.facts
+
+    def size(itemsize: int, floating: bool) -> int:
+        return 2 if c.precision == "bf16 weights" and floating else itemsize
+
+    params = [(n * size(s, f), n, trained) for n, s, f, trained in facts.parameter_shapes]
+    big = [(nbytes, n) for nbytes, n, trained in params if trained and n >= MINIMAL_SIZE]
+    grads = sum(round_up(nbytes) for nbytes, n, trained in params
+                if trained and not (search.host[c.optimizer] and n >= MINIMAL_SIZE))
+    model = facts.model_bytes if c.precision != "bf16 weights" else \
+        sum(round_up(nbytes) for nbytes, _, _ in params) + sum(round_up(n * size(s, f))
+                                                                for n, s, f in facts.buffer_shapes)
+    before = model + grads
+    return {"params": sum(round_up(nbytes) for nbytes, _, _ in params), "grads": grads, "optimizer_state": 0,
+            "state": 0, "before": before, "peak": before, "offloaded": sum(nbytes for nbytes, _ in big),
+            "offloaded_elements": sum(n for _, n in big), "offloaded_count": len(big),
+            "host": 4 * sum(round_up(nbytes) for nbytes, _ in big)}
 
 
 def copy_bytes(search, c: Candidate) -> int:

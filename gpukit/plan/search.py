@@ -62,7 +62,6 @@ class _Search:
         self.alternatives = alternatives
         self.host_memory, self.host_memory_bw = host_memory, host_memory_bandwidth
         self.host: dict[str, bool] = {}  # host-offload optimizers (gpukit.plan.host) -> offload_gradients
-        self.host_models: dict[tuple, dict] = {}  # (precision, LoRA) -> what host.state_info reads off the model
         self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
         self.card = card if device == "cuda" else None  # its attention kernels in every prediction (a T4's math one)
         self.facts = _model_facts(make_model, make_batch, loss)
