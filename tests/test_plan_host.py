@@ -170,3 +170,18 @@ def test_every_bound_of_a_host_candidate_is_at_most_its_need():
         assert host.host_bound(search, c) <= row.host_peak
         assert row.copy_bytes == search.host_copies(c)  # the copies counted before it was predicted
     assert checked >= 2 * len(candidates)
+
+
+def test_host_candidates_the_search_prunes_by_a_bound_need_at_least_that_bound():
+    """Device: none (CUDA's rules, fake tensors). A budget below what the cuBLAS workspaces and the weights need:
+    the search prunes the host candidates by their bounds without predicting them; each, predicted afterwards,
+    needs at least the bound it was pruned by."""
+    search = _Search(make_model, adamw, make_batch, 60 * 10**6, device="cuda", gpus=1, optimizers=None,
+                     implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
+                     checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
+                     memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
+    rows = search.run()
+    pruned = [r for r in rows if r.candidate.optimizer in search.host and r.bound is not None]
+    assert pruned and all(r.need is None and r.bound > search.limit for r in pruned)
+    for r in pruned:
+        assert r.bound <= search.evaluate(r.candidate).need, r.candidate

@@ -46,6 +46,12 @@ from .steps import (
 # -- the plan ----------------------------------------------------------------------------------------------------
 
 
+# A configuration's allocated peak by the end of its forward as a step that starts without gradients allocates it:
+# an optimizer stepped in backward, or one that frees each gradient once copied to the host, frees them all there,
+# where another optimizer's step starts with the last step's gradients (zero_grad frees them first).
+FREED = "forward, gradients freed"
+
+
 def _stateless(params) -> torch.optim.Optimizer:
     """The optimizer of a prefix run (``_Search.prefix``): it is never stepped, and has no state."""
     return torch.optim.SGD(params, lr=0.1)
@@ -307,12 +313,13 @@ class _Search:
 
     def phase_bound(self, c: Candidate, floor: bool = True) -> int | None:
         """A lower bound of the candidate's need from a prediction of its configuration with another optimizer
-        (None: none yet): that step's allocated peak before its optimizer step (before its first backward, for an
-        optimizer stepped in backward), less its optimizer's state, plus this optimizer's state (its floor's; 0
+        (None: none yet): that step's allocated peak before its optimizer step (before its first backward, and
+        without the gradients that step started with, for an optimizer stepped in backward or one that frees each
+        gradient once copied to the host: ``FREED``), less its optimizer's state, plus this optimizer's state (its floor's; 0
         with ``floor=False``, where a sharding formula cannot add less than nothing). Reserved memory is never
         below allocated, so the bound holds for the reserved need too."""
         in_backward = self.one_micro_batch(c.optimizer)
-        known = self.phases.get(self.configuration(c), {}).get("forward" if in_backward else "backward")
+        known = self.phases.get(self.configuration(c), {}).get(FREED if in_backward else "backward")
         if known is None or not (floor or c.strategy in ("single GPU", "DDP")) or \
                 (floor and self.configuration(c) not in self.every_grad):
             return None
@@ -373,6 +380,9 @@ class _Search:
             if phase in phases:
                 value = p.before_step + phases[phase] - phases["state"]
                 known[phase] = max(known.get(phase, value), value)
+        if "forward" in phases:  # for an optimizer that frees every gradient in backward: it starts without them
+            value = p.before_step + phases["forward"] - phases["state"] - phases["grads"]
+            known[FREED] = max(known.get(FREED, value), value)
 
     def prefix(self, c: Candidate) -> None:
         """Once per configuration that nothing has bounded yet: its step up to its optimizer step, predicted without
@@ -402,6 +412,9 @@ class _Search:
             if phase in found:
                 value = base + found[phase]
                 known[phase] = max(known.get(phase, value), value)
+        if "forward" in found:  # (no warm-up: no gradients when it starts)
+            value = base + found["forward"]
+            known[FREED] = max(known.get(FREED, value), value)
         if found.get("every_grad"):
             self.every_grad.add(key)
 
