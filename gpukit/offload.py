@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, follow
-from .cudarules import CudaRules, sdpa_backend, use_cuda_optimizer_defaults
+from .cudarules import SDPA, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
 from .report import format_bytes, html_table
@@ -189,24 +189,24 @@ class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
         # the first forward did (torch.utils.checkpoint refuses that). The function itself, looked up by its name
         # at each call (torch.nn.functional.scaled_dot_product_attention, as transformers and most models call it),
         # takes the card's kernel too while the mode is open.
-        self.original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = functools.wraps(self.original)(
-            lambda *args, **kwargs: self.attention(self.original, args, kwargs))
+        self.named = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = functools.wraps(SDPA)(
+            lambda *args, **kwargs: self.attention(SDPA, args, kwargs))
         try:
             return super().__enter__()
         except BaseException:
-            F.scaled_dot_product_attention = self.original
+            F.scaled_dot_product_attention = self.named
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            F.scaled_dot_product_attention = self.original
+            F.scaled_dot_product_attention = self.named
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not self.original and func is not F.scaled_dot_product_attention:
+        if func is not SDPA:
             return func(*args, **kwargs)
         return self.attention(func, args, kwargs)
 
