@@ -268,6 +268,11 @@ class CudaRules(TorchDispatchMode):
         return sum(self.workspace_blocks())
 
 
+# The function as torch defines it (torch._C._nn's), which a torch-function mode is handed: while
+# gpukit.offload's simulated GPU is open, torch.nn.functional's name for it is a stand-in that calls it.
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
 class _MathAttention(TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` as the math composite where CUDA would, on this card, for the dtype
     the call computes in (autocast's where a region casts it: torch.autocast lists the op as lower precision),
@@ -279,7 +284,7 @@ class _MathAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
+        if func is not SDPA:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask")
         given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}

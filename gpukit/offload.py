@@ -38,6 +38,7 @@ is. On a GPU, use the optimizer as it is and measure with ``gpukit.measure("cuda
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -45,12 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
-from .cudarules import CudaRules, sdpa_backend, use_cuda_optimizer_defaults
-from .counter import FAKE_LEDGER, gc_paused
+from .allocator import CachingAllocator, follow
+from .cudarules import SDPA, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
+from .counter import FAKE_LEDGER, gc_paused, round_up
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
 from .report import format_bytes, html_table
 from .step import map_tensors, train_step
@@ -180,10 +183,34 @@ class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
         super().__init__()
         self.capability = capability
 
+    def __enter__(self):
+        # Backward runs without the forward's torch-function modes (the engine does not carry them), so the forward
+        # that checkpointing recomputes there would take the math composite on 'meta' and save other tensors than
+        # the first forward did (torch.utils.checkpoint refuses that). The function itself, looked up by its name
+        # at each call (torch.nn.functional.scaled_dot_product_attention, as transformers and most models call it),
+        # takes the card's kernel too while the mode is open.
+        self.named = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = functools.wraps(SDPA)(
+            lambda *args, **kwargs: self.attention(SDPA, args, kwargs))
+        try:
+            return super().__enter__()
+        except BaseException:
+            F.scaled_dot_product_attention = self.named
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            F.scaled_dot_product_attention = self.named
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
+        if func is not SDPA:
             return func(*args, **kwargs)
+        return self.attention(func, args, kwargs)
+
+    def attention(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
         query, key, value, mask = (given.get(n) for n in names[:4])
@@ -234,6 +261,7 @@ class OffloadPrediction:
     device: str = field(default="meta (simulated GPU)")
     card: str | None = None  # the card whose attention kernels it ran (gpukit.cards), None: a Hopper GPU's
     workspaces: int = 0      # cuBLAS/cuBLASLt workspaces on the GPU, included in device_state
+    reserved_peak: int | None = None  # the GPU's reserved bytes at the step's peak (simulated caching allocator)
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA's kernel -> calls, per step run
 
     @property
@@ -302,9 +330,12 @@ def predict_offload(make_model: Callable[[], nn.Module],
     rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
     FAKE_LEDGER.settle()
     t0 = time.perf_counter()
+    # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
+    # pinned or pageable host memory), from the model's first tensor on, as in predict().
     with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             cuda_stand_ins(), _fused_on_the_simulated_device(), \
-            _CardAttentionOnTheSimulatedDevice(rules.capability), rules:
+            _CardAttentionOnTheSimulatedDevice(rules.capability), rules, \
+            follow(FAKE_LEDGER, only=SIMULATED_DEVICE) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
         model = optimizer = batch = None
@@ -332,12 +363,14 @@ def predict_offload(make_model: Callable[[], nn.Module],
             collect_young()  # what the warm-up left is freed before the step, not inside it
             on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
             device_state, host_state = kept[0].level, kept[1].level
+            watch = simulated.watch()
             try:
                 with copies() as traffic:
                     step(model, optimizer, batch)
             finally:
                 for tally in reversed(on_step):
                     FAKE_LEDGER.stop(tally)
+                reserved_peak = simulated.unwatch(watch)
             n_params = sum(p.numel() for p in model.parameters())
         finally:
             for tally in reversed(kept):
@@ -348,10 +381,13 @@ def predict_offload(make_model: Callable[[], nn.Module],
         collect_young()
     device, host, both = on_step
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
+    # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
+    reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
     return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device.peak,
                              host_state=host_state, host_step_peak=host.peak, combined_step_peak=both.peak,
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
                              card=card.key if card is not None else None, workspaces=workspaces,
+                             reserved_peak=reserved_peak,
                              attention_kernels=dict(rules.sdpa))
 
 

@@ -218,7 +218,8 @@ def test_a_llama_3_2_1b_shape_with_torchao_keeps_on_the_gpu_only_weights_gradien
 def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_the_byte(card, dtype, padded):
     """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU, for an H100 and a T4. A fused AdamW
     keeps everything on the GPU, its step counters too: the two predictions agree to the byte, before the step and
-    at its peak, with the same attention kernels (flash, memory-efficient with the padding mask, the math one for
+    at its peak, allocated and reserved (the simulated caching allocator fed the simulated GPU's storages alone, the
+    host's left out), with the same attention kernels (flash, memory-efficient with the padding mask, the math one for
     bfloat16 on a T4). Without the CUDA rules the simulated device took the math kernel for every call (meta has no
     fused choice), and the for-loop optimizer instead of CUDA's foreach one."""
     def make():
@@ -236,6 +237,7 @@ def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_t
     on_cpu = predict(make, fused, batch, hf_step, card=card)
     simulated = predict_offload(make, fused, batch, hf_step, card=card)
     assert (simulated.device_state, simulated.device_peak) == (on_cpu.before_step, on_cpu.peak)
+    assert simulated.reserved_peak == on_cpu.reserved_peak
     assert simulated.attention_kernels == on_cpu.attention_kernels
     expected = "math" if (card, dtype) == ("t4", torch.bfloat16) else \
         "efficient" if padded or dtype == torch.float32 else "flash"
@@ -283,3 +285,22 @@ def test_an_unknown_card_is_refused_before_anything_is_built():
         predict_offload(lambda: built.append(1) or llama(), lambda ps: torch.optim.AdamW(ps), text_batch, hf_step,
                         card="a card nobody makes")
     assert built == [] and torch.cuda.Stream is before
+
+
+@pytest.mark.parametrize("card", ["h100", "t4"])
+def test_a_checkpointed_model_recomputes_its_attention_with_the_cards_kernel_on_the_simulated_gpu(card):
+    """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU. Backward runs without the forward's
+    torch-function modes, so the forward that checkpointing recomputes there took the math composite on 'meta' and
+    torch.utils.checkpoint refused its other saved tensors; the card's kernel is taken there too, and with a fused
+    AdamW the two predictions agree to the byte, allocated and reserved."""
+    def make():
+        model = llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    fused = lambda ps: torch.optim.AdamW(ps, fused=True)
+    on_cpu = predict(make, fused, text_batch, hf_step, card=card)
+    simulated = predict_offload(make, fused, text_batch, hf_step, card=card)
+    assert (simulated.device_state, simulated.device_peak, simulated.reserved_peak) == \
+        (on_cpu.before_step, on_cpu.peak, on_cpu.reserved_peak)
+    assert simulated.attention_kernels == on_cpu.attention_kernels

@@ -44,8 +44,11 @@ class SimulatedDevice:
 
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
                  context_bytes: int | str = CONTEXT_ALLOWANCE, record_events: bool = False,
-                 lazy: bool = True) -> None:
+                 lazy: bool = True, only: str | None = None) -> None:
         self._alloc = CachingAllocator(total_memory, config, context_bytes=context_bytes)
+        # Only the storages a fake counter sees on this device (its tensors' device type, as the counter labels
+        # them: gpukit.offload's simulated GPU beside its host); None: every storage the counter sees.
+        self.only = only
         self.addr: dict[int, int] = {}  # the ledger's storage key -> simulated address
         self.peaks: list[list[int]] = []  # [peak reserved] of each block watching
         self.events: list | None = [] if record_events else None  # ("a", key, nbytes) / ("f", key)
@@ -92,7 +95,7 @@ class SimulatedDevice:
         self.ledger = ledger
         self._lock = ledger._lock
         for key, nbytes in list(ledger.sizes.items()):
-            if key not in self.addr:
+            if key not in self.addr and self.only in (None, ledger.labels.get(key)):
                 self.on_alloc(key, nbytes, False)
         return self
 
@@ -485,13 +488,14 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
 class follow:
     """``with follow(ledger) as device:``: a simulated GPU that follows every allocation and free the
     ledger sees during the block (its counting is on throughout), recording them in ``device.events``.
-    ``predict()`` runs under ``follow(FAKE_LEDGER)`` to give reserved memory at the peak."""
+    ``predict()`` runs under ``follow(FAKE_LEDGER)`` to give reserved memory at the peak; ``only="meta"``: the
+    storages of the fake tensors on ``meta`` alone (``predict_offload``'s simulated GPU, beside its host)."""
 
     def __init__(self, ledger, total_memory: int | str = 2**60,
-                 config: str | AllocatorConfig | None = None) -> None:
+                 config: str | AllocatorConfig | None = None, *, only: str | None = None) -> None:
         # no capacity by default: what a run would reserve, whatever its size (will_it_fit replays it per GPU)
         self.ledger = ledger
-        self.device = SimulatedDevice(total_memory, config, record_events=True)
+        self.device = SimulatedDevice(total_memory, config, record_events=True, only=only)
 
     def __enter__(self) -> SimulatedDevice:
         self.device.attach(self.ledger)

@@ -153,7 +153,7 @@ class Ledger(_Limits, _Scan):
                 if refs.get(key) is not ref and not _claim(refs, ref):
                     queue.popleft()
                     continue
-                if self.listener is not None:
+                if self.listener is not None and self.listener.only is None:  # (queued storages have no label)
                     self.listener.on_alloc(key, ref.nbytes, True)
                 ref.state = _LIVE
                 sizes[key] = ref.nbytes
@@ -204,8 +204,8 @@ class Ledger(_Limits, _Scan):
 
     def _track(self, storage: torch.UntypedStorage, nbytes: int, *, counted: bool, label: str | None = None) -> None:
         key = id(storage)
-        if self.listener is not None:  # first: a simulated OOM leaves the storage untracked
-            self.listener.on_alloc(key, nbytes, counted)
+        if self.listener is not None and self.listener.only in (None, label):  # first: a simulated OOM leaves the
+            self.listener.on_alloc(key, nbytes, counted)                       # storage untracked
         ref = _StorageRef(storage, self._enqueue)
         ref.key, ref.nbytes, ref.state = key, nbytes, _LIVE
         self._refs[key] = ref
@@ -251,9 +251,9 @@ class Ledger(_Limits, _Scan):
             elif known != nbytes:
                 # Like the allocator: the new block exists before the old one is freed.
                 error = self._over_budget(nbytes, st)
-                if self.listener is not None:
-                    self.listener.on_resize(key, nbytes)
                 label = self.labels.get(key)
+                if self.listener is not None and self.listener.only in (None, label):
+                    self.listener.on_resize(key, nbytes)
                 self.sizes[key] = self._refs[key].nbytes = nbytes
                 self._allocated(nbytes, label)
                 self._freed(known, label)

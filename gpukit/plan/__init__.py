@@ -8,11 +8,12 @@
 Each candidate is one way of running the same training step (``gpukit.step.train_step``): autocast to bfloat16
 or float16 (with a GradScaler), ``model.half()`` with float32 BatchNorm, gradient accumulation over k
 micro-batches (the same effective batch), activation checkpointing (``gpukit.step.checkpoint_plan``), saved
-activations sent to the host (``save_on_cpu``), another optimizer or optimizer implementation where allowed,
-and with several GPUs DDP, ZeRO-1 or FSDP. Its peak is predicted exactly under fake tensors
-(``gpukit.estimate.predict``), on reserved memory from the simulated caching allocator plus the context
-allowance for a CUDA plan. Nothing runs for real except, at the end, one step of the chosen recipe where the
-model is small enough for this machine.
+activations sent to the host (``save_on_cpu``), another optimizer or optimizer implementation where allowed
+(the optimizer's state and step on the host among them: torchao's ``CPUOffloadOptimizer``), and with several
+GPUs DDP, ZeRO-1 or FSDP. Its peak is predicted exactly under fake tensors (``gpukit.estimate.predict``; with the
+optimizer's state on the host, ``gpukit.offload.predict_offload``: a simulated GPU beside the host), on reserved
+memory from the simulated caching allocator plus the context allowance for a CUDA plan. Nothing runs for real
+except, at the end, one step of the chosen recipe where the model is small enough for this machine.
 
 How the search stays cheap (every shortcut is stated in the table):
 
@@ -20,17 +21,20 @@ How the search stays cheap (every shortcut is stated in the table):
   allocate the same (the gradients exist from the first), so the peak is the same once the batch held
   before the step is counted at its full size.
 * Model state and the optimizer step alone (no forward, no activations) are predicted once per optimizer and
-  parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted.
+  parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted. With
+  the optimizer's state on the host, what the GPU holds when a step starts is counted from the model alone
+  (parameters, buffers, gradients; the state of the small parameters torchao keeps on the GPU left out), and the
+  host's four copies of each offloaded weight bound the host's peak (over ``host_memory``: not predicted).
 * Before any candidate of a configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked
   loss) is predicted, its step runs without the warm-up up to the optimizer step, and stops as soon as what it
   allocated puts the configuration over the budget: with what outlives the step taken out, a lower bound of
   every candidate of the configuration, whatever its optimizer (with its state where every parameter got a
   gradient). Most configurations that do not fit end there, at the cost of a forward.
-* Up to the optimizer step, a step allocates the same whatever the optimizer (not one stepped in backward) but
-  for the optimizer's state: one prediction of a configuration (precision, micro-batches, checkpointing,
-  offload, LoRA, chunked loss) gives, with each optimizer's floor, a lower bound of that configuration with
-  every other optimizer (up to the first backward, with an optimizer stepped in backward). Over the budget:
-  not predicted.
+* Up to the optimizer step, a step allocates the same whatever the optimizer (not one stepped in backward, nor one
+  that frees each gradient once copied to the host) but for the optimizer's state: one prediction of a
+  configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked loss) gives, with each optimizer's
+  floor, a lower bound of that configuration with every other optimizer (up to the first backward, with an
+  optimizer stepped in backward or one that frees each gradient on the GPU). Over the budget: not predicted.
 * Memory goes down as techniques are added (more micro-batches, checkpointing, offload): once two candidates of
   a group (optimizer, precision, parallelism) were predicted not to fit, the group's most saving one is; if it
   does not fit, no candidate of the group does.
@@ -40,8 +44,11 @@ How the search stays cheap (every shortcut is stated in the table):
 Time cost, relative to the plain float32 step of the same batch (estimated, from stated figures): a step does
 3 forward passes' worth of arithmetic (the backward pass two); checkpointing recomputes the checkpointed
 segments' forward (their FLOPs counted under fake tensors by ``torch.utils.flop_counter``); offload copies every
-saved tensor to the host and back at ``host_bandwidth``; each extra micro-batch reads the weights twice more and
-adds into the gradients at ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
+saved tensor to the host and back at ``host_bandwidth``; an optimizer with its state on the host copies each
+offloaded gradient to the host after each micro-batch and each offloaded weight back at ``host_bandwidth``, and
+steps on the host (a fused AdamW reads the weight, gradient and two moments of each element and writes three of
+them back) at ``host_memory_bandwidth``; each extra micro-batch reads the weights twice more and adds into the
+gradients at ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
 Where the model runs on this machine, each fitting candidate's step is also timed for real (labelled with the
 device it ran on). Timed on the planned device, that measured cost ranks the fitting candidates instead of the
 estimate; timed elsewhere (a CUDA plan checked on a CPU), it is shown beside the estimate and ranks nothing.
@@ -81,7 +88,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
          tflops: float | None = None, memory_bandwidth: int | str | None = None, host_bandwidth: int | str = "16GB",
          alternatives: int = 2, verify: bool = True,
          loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True,
-         card: str | None = None) -> Plan:
+         card: str | None = None, host_memory: int | str | None = None,
+         host_memory_bandwidth: int | str = "51.2GB") -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
@@ -97,9 +105,12 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
         optimizers: other optimizers you allow, ``{"SGD momentum": lambda p: torch.optim.SGD(p, 0.1, 0.9)}``.
         implementations: also try the optimizer's for-loop and fused steps (``foreach=False``, ``fused=True``),
-            an Adam or AdamW with 8-bit moments (bitsandbytes' ``Adam8bit``, ``AdamW8bit``, where installed), and
+            an Adam or AdamW with 8-bit moments (bitsandbytes' ``Adam8bit``, ``AdamW8bit``, where installed),
             the optimizer step fused into backward (``gpukit.bigmodel.OptimizerInBackward``: no accumulation, no
-            GradScaler, one GPU).
+            GradScaler, one GPU), and for a CUDA plan on one GPU an Adam or AdamW with its state and step on the
+            host (torchao's ``CPUOffloadOptimizer``, where installed; with ``offload_gradients=True`` too, then
+            without accumulation; in float32 or bfloat16 weights, no autocast: the simulated GPU has no autocast
+            kernels of its own). Its step is fused Adam(W) on the CPU: rounding-level, as ``fused=True``.
         precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (autocast; float16 with a GradScaler), ``"half"``
             (``model.half()`` with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's
             eps of 1e-8 is 0 in float16) and ``"bf16 weights"`` (``model.to(torch.bfloat16)``: weights, gradients
@@ -113,6 +124,12 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         tflops, memory_bandwidth, host_bandwidth: the figures the time cost is estimated with (per second):
             by default the card's float32 TFLOP/s and memory bandwidth (its data sheet's), else 100 TFLOP/s and
             2 TB/s; host copies 16 GB/s.
+        host_memory: the host's memory for an optimizer state kept there (bytes, ``"12.7GB"``, ``"64 GiB"``); a
+            candidate whose predicted host peak is above it does not fit, and its verdict says so. None: not
+            limited.
+        host_memory_bandwidth: the host's memory bandwidth, per second, for the optimizer step on the host;
+            default 51.2 GB/s, two channels of DDR4-3200 (3,200 MT/s x 8 bytes = 25.6 GB/s a channel, JEDEC
+            JESD79-4): a desktop's or a cloud VM's share; a server socket has 4 to 12 channels.
         card: the GPU, by name (``"t4"``, ``"A100 80GB"``, ``torch.cuda.get_device_name()``: ``gpukit.cards``).
             On a card without bfloat16 tensor cores (the T4), every bfloat16 recipe ranks after the float16 ones
             of the same cost, and its numerics say why; every prediction takes the attention kernels the card
@@ -132,10 +149,10 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
 
     Raises:
-        ValueError: for a budget, device, precision, strategy or accumulation that is not one (the message lists
-            what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose tensors do not
-            share a batch dimension), a ``loss`` that is none of the above, or an optimizer that already exists
-            returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
+        ValueError: for a budget, device, precision, strategy, accumulation or host memory that is not one (the
+            message lists what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose
+            tensors do not share a batch dimension), a ``loss`` that is none of the above, or an optimizer that
+            already exists returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
         TypeError: a model, optimizer or batch passed where the function that builds it is expected.
     """
     t0 = time.perf_counter()
@@ -173,8 +190,16 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     allowance = (CONTEXT_ALLOWANCE if device == "cuda" else 0) if allowance is None else \
         (0 if allowance == 0 else parse_bytes(allowance))
     speeds = {}
-    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth)):
+    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth),
+                        ("host_memory_bandwidth", host_memory_bandwidth)):
         speeds[name] = parse_bytes(value)
+    if host_memory is not None:
+        try:
+            host_memory = parse_bytes(host_memory)
+        except ValueError as err:
+            raise ValueError(f"host_memory={host_memory!r}: the host's memory for optimizer state kept there, bytes "
+                             f"or a size such as '12.7GB' or '64 GiB' (B, KB, MB, GB, KiB, MiB, GiB), or None (not "
+                             f"limited); {err}") from None
     if not (isinstance(tflops, (int, float)) and tflops > 0):
         raise ValueError(f"tflops={tflops!r}: the GPU's arithmetic rate in TFLOP/s, a positive number")
     if not isinstance(lora, bool):
@@ -186,7 +211,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                      checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
                      tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
                      host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
-                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu)
+                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu, host_memory=host_memory,
+                     host_memory_bandwidth=speeds["host_memory_bandwidth"])
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):

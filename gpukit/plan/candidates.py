@@ -96,9 +96,10 @@ class Row:
     numerics_note: str = ""
     tolerance: float | None = None
     copy_bytes: int = 0                # offload: bytes to the host and back, per step
+    host_peak: int | None = None       # optimizer state on the host: the host's predicted peak
     lower_bound: bool = False          # some op's fake kernel was unchecked: the peak may be low
     bound: int | None = None           # pruned: the lower bound of its need that was over the budget
-    prediction: Prediction | None = field(default=None, repr=False)
+    prediction: Prediction | None = field(default=None, repr=False)  # host offload: an OffloadPrediction
 
     def cells(self, budget: int) -> dict:
         return {"techniques": self.candidate.label, "optimizer": self.candidate.optimizer,

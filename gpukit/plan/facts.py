@@ -38,6 +38,12 @@ class _ModelFacts:
     lora_targets: tuple[str, ...] = ()  # the modules LoRA would adapt (steps.lora_targets); none: no LoRA candidate
     head_flops: int = 0  # a causal LM's output layer, one forward over the batch; 0: no chunked loss candidate
     tokens: int = 0  # the batch's tokens (its labels), where head_flops is not 0
+    # Per parameter (numel, element size, floating point, trained), per buffer (numel, element size, floating
+    # point), and the rounded bytes of their distinct storages as built: what a host-offload optimizer's bounds
+    # read (gpukit.plan.host), without building the model again.
+    parameter_shapes: tuple = ()
+    buffer_shapes: tuple = ()
+    model_bytes: int = 0
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
@@ -119,6 +125,12 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
         total = counter.get_total_flops()
         recompute = total if cp.kind == "whole" else sum(counted)
         n_params = sum(p.numel() for p in model.parameters())
+        parameter_shapes = tuple((p.numel(), p.element_size(), p.is_floating_point(), p.requires_grad)
+                                 for p in model.parameters())
+        buffer_shapes = tuple((t.numel(), t.element_size(), t.is_floating_point()) for t in model.buffers())
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                    for t in [*model.parameters(), *model.buffers()]}
+        model_bytes = sum(round_up(n) for n in storages.values())
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         largest = max((sum(p.numel() * 4 for p in m.parameters()) for m in cp.modules), default=0) \
             if cp.kind == "blocks" else n_params * 4
@@ -141,7 +153,8 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
     targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
-                       mapping, targets, *(_head_flops(model, batch) if loss is model_loss else (0, 0)))
+                       mapping, targets, *(_head_flops(model, batch) if loss is model_loss else (0, 0)),
+                       parameter_shapes, buffer_shapes, model_bytes)
 
 
 def _head_flops(model: nn.Module, batch) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from .candidates import (
     Candidate,
     Row,
 )
+from . import host
 from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
 from .steps import (
     CHUNK_TOKENS,
@@ -43,6 +44,12 @@ from .steps import (
 )
 
 # -- the plan ----------------------------------------------------------------------------------------------------
+
+
+# A configuration's allocated peak by the end of its forward as a step that starts without gradients allocates it:
+# an optimizer stepped in backward, or one that frees each gradient once copied to the host, frees them all there,
+# where another optimizer's step starts with the last step's gradients (zero_grad frees them first).
+FREED = "forward, gradients freed"
 
 
 @contextlib.contextmanager
@@ -73,11 +80,13 @@ class _Search:
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
                  tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False,
-                 card=None):
+                 card=None, host_memory=None, host_memory_bandwidth=51.2e9):
         self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
         self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
         self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
         self.alternatives = alternatives
+        self.host_memory, self.host_memory_bw = host_memory, host_memory_bandwidth
+        self.host: dict[str, bool] = {}  # host-offload optimizers (gpukit.plan.host) -> offload_gradients
         self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
         self.card = card if device == "cuda" else None  # its attention kernels in every prediction (a T4's math one)
         self.facts = _model_facts(make_model, make_batch, loss)
@@ -109,7 +118,13 @@ class _Search:
                 make, note, rank = self.optimizers[name]
                 self.optimizers[f"{name}, in backward"] = (
                     _in_backward(make), "; ".join(filter(None, [note, "stepped in backward: no clipping"])), rank)
-        self.adam_like = {name: _adam_like(make) for name, (make, _, _) in self.optimizers.items()}
+            # Yours with its state and step on the host (torchao), as fused as a fused=True step: rounding-level.
+            for name, make, note, gradients in host.host_variants(make_optimizer, device, gpus):
+                self.optimizers[name] = (make, note, ROUNDING)
+                self.host[name] = gradients
+        # (a host-offload optimizer is not built to ask: torchao asks for CUDA; it is an Adam or AdamW)
+        self.adam_like = {name: name in self.host or _adam_like(make)
+                          for name, (make, _, _) in self.optimizers.items()}
         ks = accumulate if accumulate is not None else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                         if self.rank_batch % k == 0]
         bad = [k for k in ks if not isinstance(k, int) or k < 1 or self.rank_batch % k]
@@ -196,15 +211,19 @@ class _Search:
         if c.chunked_loss:  # each chunk's logits are computed again in backward
             extra += self.facts.head_flops / self.gpus / self.tflops
         extra += copy_bytes / self.host_bw
+        if c.optimizer in self.host:  # the optimizer step on the host (the GPU's own optimizer step is not counted)
+            extra += host.step_seconds(self, c)
         return 1.0 + extra / step_seconds
 
     def candidates(self) -> list[Candidate]:
         found = []
         for opt in self.optimizers:
-            in_backward = opt.endswith(", in backward")
+            in_backward = self.one_micro_batch(opt)  # (or frees each gradient in backward: no accumulation either)
             for precision in self.precisions:
                 if precision == "half" and self.adam_like[opt]:
                     continue  # eps (1e-8) is 0 in float16 and the second moment underflows: not safe
+                if opt in self.host and precision not in host.HOST_PRECISIONS:
+                    continue  # no autocast on the simulated GPU; fp16's GradScaler and half() not with torchao
                 if in_backward and precision == "fp16":
                     continue  # a GradScaler unscales and checks every gradient before any step
                 for strategy in self.strategies:
@@ -216,15 +235,27 @@ class _Search:
                         for ck in self.ckpt:
                             for off in self.offl:
                                 for lora in self.loras:
+                                    if lora and opt in self.host:
+                                        continue  # the adapters' state is small: nothing to send to the host
                                     for chunked in self.chunks:
                                         if chunked and not self.chunkable(k):
                                             continue
                                         found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked))
         return found
 
+    def one_micro_batch(self, optimizer: str) -> bool:
+        """An optimizer that steps or frees each gradient in backward: no accumulation (and, for its bounds, the
+        step before its first backward allocates as another optimizer's does, not up to its optimizer step)."""
+        return optimizer.endswith(", in backward") or self.host.get(optimizer, False)
+
+    def host_copies(self, c: Candidate) -> int:
+        """Bytes a host-offload optimizer copies in one step (gradients to the host, weights back); 0 for others."""
+        return host.copy_bytes(self, c) if c.optimizer in self.host else 0
+
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         rank = self.numerics(c)[0]
-        return (rank == TRAINING, round(self.slowdown(c, copy_bytes or 0), 4), self.slow_dtype(c), rank,
+        slowdown = self.slowdown(c, (copy_bytes or 0) + self.host_copies(c))
+        return (rank == TRAINING, round(slowdown, 4), self.slow_dtype(c), rank,
                 c.accumulate, c.checkpointed,
                 c.offload, c.chunked_loss, c.lora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
@@ -235,6 +266,8 @@ class _Search:
     def floor(self, c: Candidate) -> dict:
         """Model state and the optimizer step alone, for this optimizer and parameter type."""
         key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        if c.optimizer in self.host:  # not predicted: torchao's optimizer runs only in predict_offload
+            return self.state_info(c)
         if key not in self.floors:
             info: dict = {}
             p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
@@ -252,6 +285,8 @@ class _Search:
         key = (c.optimizer, WEIGHTS[c.precision], c.lora)
         if key in self.floors:
             return self.floors[key]
+        if key not in self.states and c.optimizer in self.host:
+            self.states[key] = host.state_info(self, c)
         if key not in self.states:
             info: dict = {}
             rules = CudaRules(self.card.compute_capability) if self.card is not None else CudaRules()
@@ -298,12 +333,13 @@ class _Search:
 
     def phase_bound(self, c: Candidate, floor: bool = True) -> int | None:
         """A lower bound of the candidate's need from a prediction of its configuration with another optimizer
-        (None: none yet): that step's allocated peak before its optimizer step (before its first backward, for an
-        optimizer stepped in backward), less its optimizer's state, plus this optimizer's state (its floor's; 0
+        (None: none yet): that step's allocated peak before its optimizer step (before its first backward, and
+        without the gradients that step started with, for an optimizer stepped in backward or one that frees each
+        gradient once copied to the host: ``FREED``), less its optimizer's state, plus this optimizer's state (its floor's; 0
         with ``floor=False``, where a sharding formula cannot add less than nothing). Reserved memory is never
         below allocated, so the bound holds for the reserved need too."""
-        in_backward = c.optimizer.endswith(", in backward")
-        known = self.phases.get(self.configuration(c), {}).get("forward" if in_backward else "backward")
+        in_backward = self.one_micro_batch(c.optimizer)
+        known = self.phases.get(self.configuration(c), {}).get(FREED if in_backward else "backward")
         if known is None or not (floor or c.strategy in ("single GPU", "DDP")) or \
                 (floor and self.configuration(c) not in self.every_grad):
             return None
@@ -318,6 +354,8 @@ class _Search:
     def evaluate(self, c: Candidate) -> Row:
         if c in self.rows and self.rows[c].need is not None:
             return self.rows[c]
+        if c.optimizer in self.host:
+            return host.evaluate(self, c)
         rank, note, tol = self.numerics(c)
         micro = self.rank_batch // c.accumulate
         proxy_k = 1 if c.accumulate == 1 else 2
@@ -362,6 +400,9 @@ class _Search:
             if phase in phases:
                 value = p.before_step + phases[phase] - phases["state"]
                 known[phase] = max(known.get(phase, value), value)
+        if "forward" in phases:  # for an optimizer that frees every gradient in backward: it starts without them
+            value = p.before_step + phases["forward"] - phases["state"] - phases["grads"]
+            known[FREED] = max(known.get(FREED, value), value)
 
     def prefix(self, c: Candidate) -> None:
         """Once per configuration that nothing has bounded yet: its step up to its optimizer step, predicted without
@@ -391,13 +432,16 @@ class _Search:
             if phase in found:
                 value = base + found[phase]
                 known[phase] = max(known.get(phase, value), value)
+        if "forward" in found:  # (no warm-up: no gradients when it starts)
+            value = base + found["forward"]
+            known[FREED] = max(known.get(FREED, value), value)
         if found.get("every_grad"):
             self.every_grad.add(key)
 
     def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
-        self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c), numerics=rank,
-                                    numerics_note=note, tolerance=tol, bound=bound))
+        self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c, self.host_copies(c)),
+                                    numerics=rank, numerics_note=note, tolerance=tol, bound=bound))
 
     def over(self, c: Candidate) -> int | None:
         """A lower bound of the candidate's need over the budget, without predicting it (its floor and the phases
@@ -436,6 +480,10 @@ class _Search:
                 continue
             if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
                 heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+                continue
+            if self.host_memory is not None and host.host_bound(self, c) > self.host_memory:
+                self.pruned(c, f"its copies on the host alone need {format_bytes(host.host_bound(self, c))}, more "
+                               f"than host_memory {format_bytes(self.host_memory)}")
                 continue
             if self.configuration(c) not in self.phases:
                 self.prefix(c)
@@ -481,7 +529,7 @@ class _Search:
         return self.ordered()
 
     def most_saving(self, c: Candidate) -> Candidate:
-        ks = [k for k in self.ks if k == 1 or not c.optimizer.endswith(", in backward")]
+        ks = [k for k in self.ks if k == 1 or not self.one_micro_batch(c.optimizer)]
         k = max(ks)
         return Candidate(c.optimizer, c.precision, k, max(self.ckpt), max(self.offl), c.strategy, c.lora,
                          max(self.chunks) and self.chunkable(k))

@@ -104,6 +104,11 @@ class _Phases:
         phases.clear()
         phases["state"] = optimizer_state_bytes(model, optimizer)
         phases["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        # The gradients the step starts with (zero_grad frees them first): an optimizer that frees each gradient in
+        # backward starts without them (gpukit.plan.search's phase bound of the forward takes them out).
+        grads = {id(st): st.nbytes() for st in (p.grad.untyped_storage() for p in model.parameters()
+                                                if p.grad is not None)}
+        phases["grads"] = sum(round_up(n) for n in grads.values())
 
     def peak(self) -> int:
         FAKE_LEDGER.settle()

@@ -34,7 +34,35 @@ def _small_enough(search: _Search, row: Row) -> bool:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
         except (ValueError, OSError, AttributeError):
             free = 2**30
-    return row.peak is not None and row.peak <= free and row.candidate.strategy == "single GPU"
+    # Optimizer state on the host: on a CPU the host is the device, and holds both.
+    here = row.peak + (row.host_peak or 0) if _verify_on(search) == "cpu" and row.peak is not None else row.peak
+    return here is not None and here <= free and row.candidate.strategy == "single GPU"
+
+
+def _stand_ins(make_optimizer, device: torch.device):
+    """``gpukit.offload.cuda_stand_ins()`` for a real step of a host-offload optimizer (``plan.host``) on a CPU:
+    torchao asks for CUDA in its constructor (torchao/optim/cpu_offload.py) and uses CUDA streams and pinned
+    memory, which the stand-ins answer without a GPU. Elsewhere (on CUDA itself, other optimizers): nothing."""
+    if getattr(make_optimizer, "host_offload", False) and device.type == "cpu":
+        from ..offload import cuda_stand_ins
+
+        return cuda_stand_ins()
+    return contextlib.nullcontext()
+
+
+class _Held:
+    """What ``gpukit.estimate.state_bytes`` reads of an optimizer (its ``state``), for torchao's
+    ``CPUOffloadOptimizer``, which keeps none of its own (it never calls ``Optimizer.__init__``): its on-device
+    optimizer's state, and where the host is the device (a run on the CPU) each host copy, its gradient and its
+    optimizer's state."""
+
+    def __init__(self, optimizer, device: torch.device) -> None:
+        self.state = dict(optimizer.d_opt.state) if optimizer.d_opt is not None else {}
+        if device.type == "cpu":
+            for i, p_host in enumerate(optimizer.param_d2h_map.values()):
+                self.state[("host copy", i)] = {"copy": p_host, "grad": p_host.grad}
+            for opt in optimizer.optim_dict.values():
+                self.state.update(opt.state)
 
 
 def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device="cpu", loss=None):
@@ -71,14 +99,21 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     Raises:
         torch.OutOfMemoryError: the step did not fit ``limit``.
     """
-    from ..budget import budget as memory_budget
-    from ..counter import gc_paused
-    from ..estimate import state_bytes
-    from ..meter import measure, resolve_device
+    from ..meter import resolve_device
 
     dev = resolve_device(device)
     if candidate.strategy != "single GPU":
         raise ValueError(f"{candidate.strategy} needs several processes: run it with torchrun")
+    with _stand_ins(make_optimizer, dev):
+        return _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps, loss)
+
+
+def _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps, loss):
+    from ..budget import budget as memory_budget
+    from ..counter import gc_paused
+    from ..estimate import state_bytes
+    from ..meter import measure
+
     with gc_paused() as collect_young:  # one full collection; what the build and warm-up leave goes before the step
         other = 0
         if dev.type == "cpu":
@@ -97,7 +132,8 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
         collect_young()
         with measure(dev, record=False) as report, cap:
             step()
-    peak = state_bytes(model, optimizer, batch)[0] + report.peak
+    held = _Held(optimizer, dev) if hasattr(optimizer, "param_d2h_map") else optimizer
+    peak = state_bytes(model, held, batch)[0] + report.peak
     seconds = None
     if timed_steps:
         times: list[float] = []
@@ -161,6 +197,12 @@ def _verify(search: _Search, choice: Row | None, timing_error: str | None) -> Ve
                   f" ({predicted:,} B)" if fitted else "OUT OF MEMORY: the prediction was wrong"))
     else:
         extra = "; offload saves nothing on a CPU (the host is the device)" if c.offload else ""
+        p = choice.prediction
+        if choice.host_peak is not None and p is not None:
+            both = p.device_state - p.workspaces + p.host_state + p.combined_step_peak + search.held(c)
+            extra += (f"; the optimizer's host side ran here too, with CUDA's streams and pinned memory stood in "
+                      f"(gpukit.offload.cuda_stand_ins): GPU and host as one memory, predicted {format_bytes(both)} "
+                      f"({both:,} B) without CUDA's workspaces")
         msg = (f"one real step on {here} (this machine has no GPU: the budget is the GPU's, so it was run without "
                f"one): measured peak {format_bytes(measured)} on {here}'s code paths, predicted "
                f"{format_bytes(predicted)} allocated on CUDA's{extra}")
