@@ -1,11 +1,13 @@
 """The planner's search cost: plan() for a 1.3-billion-parameter GPT against a 24 GB GPU, on this machine's CPU;
-and for a transformers Llama of 1.24 billion parameters, beside one predict() of its step (and one of an 8B's).
+and for a transformers Llama of 1.24 billion parameters, beside one predict() of its step (and an 8B's: one predict()
+of its step, its plans against 24 GB and 80 GB).
 
 The model is GPT-3 XL's shape (24 layers of width 2048, 16 heads, sequences of 1024 tokens, GPT-2's vocabulary
 of 50,257 with an untied output layer: 1.42 billion parameters) with AdamW, a batch of 8 sequences; the plan is
 for CUDA (reserved memory, context allowance) and every prediction runs under fake tensors, so nothing of the
 model is allocated. Every plan tries the user's AdamW and plan()'s default variants of it (its for-loop and fused
-steps, bitsandbytes' AdamW8bit, and both stepped in backward), no other optimizer. Reported: seconds, predictions
+steps, bitsandbytes' AdamW8bit, both stepped in backward, and with one GPU its state and step on the host with
+torchao's CPUOffloadOptimizer), no other optimizer. Reported: seconds, predictions
 made (bounds from a prefix of a step and floors count as predictions), candidates pruned, and what it chose.
 The libraries are imported before any clock starts (transformers, and bitsandbytes for the 8-bit candidates: 1.6 s
 here, once per process), so that the Llama's plan and its predict() are timed alike.
@@ -59,7 +61,8 @@ def llama_batch(vocab: int, batch: int, length: int = 1024):
 
 def llama_rows() -> list[dict]:
     """One predict() of the plain step and a whole plan() for the 1.24B Llama against 24 GB, in the same run
-    (the target: the plan within 4x the prediction), and one predict() of the 8B Llama at 1 x 1,024 tokens."""
+    (the target: the plan within 4x the prediction); one predict() of the 8B Llama at 1 x 1,024 tokens, and its
+    plans against 24 GB and 80 GB."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -84,23 +87,28 @@ def llama_rows() -> list[dict]:
         one = time.perf_counter() - t0
         row = {"case": f"{name}, predict() of the plain step, batch {batch} x 1024", "parameters": f"{p.parameters:,}",
                "budget": "", "seconds": round(one, 1), "predictions": 1, "candidates": "", "pruned": "",
-               "choice": f"peak {p.peak / 1e9:.1f} GB", "choice need GB": None, "torch": torch.__version__}
+               "choice": f"peak {p.peak / 1e9:.1f} GB", "choice need GB": None, "host GB": None,
+               "torch": torch.__version__}
         rows.append(row)
         print(f"{row['case']:<58} {one:6.1f} s  ({row['choice']})", flush=True)
-        if shape is LLAMA_1B:
+        # The 1.24B Llama against 24 GB (the plan timed against its predict()); the 8B against 24 GB and 80 GB.
+        for budget in ((BUDGET,) if shape is LLAMA_1B else ("24GB", "80GB")):
             t0 = time.perf_counter()
-            pl = plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, BUDGET, alternatives=0,
+            pl = plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, budget, alternatives=0,
                       loss="model")
             seconds = time.perf_counter() - t0
-            rows.append({"case": f"{name}, plan() against {BUDGET} ({seconds / one:.1f}x one predict)",
-                         "parameters": row["parameters"], "budget": BUDGET, "seconds": round(seconds, 1),
+            choice = pl.choice
+            rows.append({"case": f"{name}, plan() against {budget} ({seconds / one:.1f}x one predict)",
+                         "parameters": row["parameters"], "budget": budget, "seconds": round(seconds, 1),
                          "predictions": pl.predictions, "candidates": len(pl.rows),
                          "pruned": sum(r.need is None for r in pl.rows),
-                         "choice": f"{pl.choice.candidate.label} [{pl.choice.candidate.optimizer}]" if pl.choice
-                         else "nothing fits", "choice need GB": round(pl.choice.need / 1e9, 2) if pl.choice else None,
+                         "choice": f"{choice.candidate.label} [{choice.candidate.optimizer}]" if choice
+                         else "nothing fits", "choice need GB": round(choice.need / 1e9, 2) if choice else None,
+                         "host GB": round(choice.host_peak / 1e9, 1) if choice and choice.host_peak else None,
                          "torch": torch.__version__})
+            host = f", host {choice.host_peak / 1e9:.1f} GB" if choice and choice.host_peak else ""
             print(f"{rows[-1]['case']:<58} {seconds:6.1f} s  {pl.predictions:>3} predictions; {rows[-1]['choice']}"
-                  f"{f' (need {pl.choice.need:,} B)' if pl.choice else ''}", flush=True)
+                  f"{f' (need {choice.need:,} B{host})' if choice else ''}", flush=True)
     return rows
 
 
@@ -118,7 +126,7 @@ def main(only: list[str] | None = None) -> list[dict]:
                "budget": BUDGET, "seconds": round(seconds, 1), "predictions": p.predictions,
                "candidates": len(p.rows), "pruned": pruned,
                "choice": f"{p.choice.candidate.label} [{p.choice.candidate.optimizer}]" if p.choice else "nothing fits",
-               "choice need GB": round(p.choice.need / 1e9, 2) if p.choice else None,
+               "choice need GB": round(p.choice.need / 1e9, 2) if p.choice else None, "host GB": None,
                "torch": torch.__version__}
         rows.append(row)
         print(f"{name:<58} {seconds:6.1f} s  {p.predictions:>3} predictions, {pruned}/{len(p.rows)} pruned; "
