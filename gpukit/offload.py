@@ -64,6 +64,7 @@ SIMULATED_DEVICE = "meta"  # the simulated GPU (DESIGN: "a meta device for a sec
 # Modules that ask "is there a GPU?" before they build their streams, by the name they hold the question under.
 _DEVICE_PROBES = (("torchao.optim.cpu_offload", "get_available_devices"),)
 _STANDING_IN = threading.RLock()
+_DEPTH = [0]  # cuda_stand_ins() blocks open (on the thread holding _STANDING_IN): the outermost stands in
 
 
 class _Event:
@@ -129,9 +130,17 @@ def cuda_stand_ins():
     * ``pin_memory=True``: plain host memory of the same size.
 
     None of them allocates or copies. Time is what they cannot stand for. Use it on a machine without CUDA; it
-    replaces ``torch.cuda``'s streams for every thread while it is open, one such block at a time.
+    replaces ``torch.cuda``'s streams for every thread while it is open, one such block at a time. A block opened
+    inside another (a step of ``plan()``'s recipe run inside yours) changes nothing: the outer one stands in.
     """
     with _STANDING_IN:
+        if _DEPTH[0]:
+            _DEPTH[0] += 1
+            try:
+                yield
+            finally:
+                _DEPTH[0] -= 1
+            return
         cuda = torch.cuda
         saved = {name: getattr(cuda, name) for name in ("Stream", "Event", "current_stream", "stream")}
         probes = [(sys.modules[m], name, getattr(sys.modules[m], name)) for m, name in _DEVICE_PROBES
@@ -143,10 +152,12 @@ def cuda_stand_ins():
         torch.Tensor.record_stream = lambda self, s: None  # (torch.Tensor inherits torch._C.TensorBase's)
         for module, name, _ in probes:
             setattr(module, name, lambda: ["cpu", "cuda"])
+        _DEPTH[0] = 1
         try:
             with _PlainHostMemory():
                 yield
         finally:
+            _DEPTH[0] = 0
             for name, value in saved.items():
                 setattr(cuda, name, value)
             del torch.Tensor.record_stream

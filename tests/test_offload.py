@@ -138,7 +138,8 @@ def test_on_this_cpu_torchaos_update_is_adamws_and_its_bytes_are_the_predictions
 
 def test_torchao_refuses_a_machine_without_cuda_and_the_stand_ins_leave_torch_as_it_was():
     """Device: cpu. Without the stand-ins torchao's constructor refuses (it asks for CUDA or XPU); after them,
-    torch.cuda's streams, Tensor.record_stream and torchao's question are torch's and torchao's own again."""
+    torch.cuda's streams, Tensor.record_stream and torchao's question are torch's and torchao's own again, and a
+    block inside another leaves the outer one standing in."""
     CPUOffloadOptimizer = offload_optimizer()
     import torchao.optim.cpu_offload as module
 
@@ -151,6 +152,11 @@ def test_torchao_refuses_a_machine_without_cuda_and_the_stand_ins_leave_torch_as
     with cuda_stand_ins():
         CPUOffloadOptimizer(llama().parameters(), torch.optim.AdamW)
         assert torch.cuda.Stream is not before[0]
+        stood_in = torch.cuda.Stream
+        with cuda_stand_ins():  # a block inside another (plan's recipe stepped inside the user's) changes nothing
+            CPUOffloadOptimizer(llama().parameters(), torch.optim.AdamW)
+        assert torch.cuda.Stream is stood_in and "record_stream" in torch.Tensor.__dict__
+        CPUOffloadOptimizer(llama().parameters(), torch.optim.AdamW)
     assert (torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream,
             module.get_available_devices) == before
     assert "record_stream" not in torch.Tensor.__dict__

@@ -120,6 +120,21 @@ def test_the_printed_recipe_builds_torchaos_optimizer_and_trains_like_fused_adam
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_plan_build_steps_the_chosen_host_optimizer_on_this_cpu_without_a_block_of_the_users(only_host_fits):
+    """Device: cpu. Plan.build(row) of a host-offload choice builds torchao's optimizer and its step under the
+    stand-ins itself (torchao asks for CUDA), also inside a block of the user's own: its update is fused AdamW's."""
+    model, optimizer, step = only_host_fits.build(only_host_fits.choice)
+    reference = make_model()
+    fused = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    step(model, optimizer, make_batch())
+    with cuda_stand_ins():
+        step(model, optimizer, make_batch())
+    for _ in range(2):
+        train_step(reference, fused, make_batch())
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_host_too_small_for_the_optimizers_copies_makes_the_host_candidates_not_fit():
     """Device: cuda plan, predicted on the CPU. Below the host's four copies of the offloaded weights the host
     candidates are pruned unpredicted; a byte above them they are predicted, and the host's step counters (512 B a

@@ -158,7 +158,9 @@ class Plan:
     def build(self, row: Row, device: str = "cpu"):
         """A row's candidate as a real run starts it: ``(model, optimizer, step)`` on ``device``, the model in the
         candidate's precision (with LoRA adapters where it has them) and ``step(model, optimizer, batch)`` its
-        training step (``gpukit.step.train_step`` with its techniques and loss). What ``Plan.run`` steps."""
+        training step (``gpukit.step.train_step`` with its techniques and loss). What ``Plan.run`` steps. On a
+        CPU, an optimizer with its state on the host (torchao's) is built and stepped under
+        ``gpukit.offload.cuda_stand_ins()``."""
         from .verify import build_candidate  # (verify builds on these classes)
 
         return build_candidate(self._make_model, self.optimizers[row.candidate.optimizer], row.candidate,

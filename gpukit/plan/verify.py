@@ -68,12 +68,16 @@ class _Held:
 def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device="cpu", loss=None):
     """``(model, optimizer, step)``: the candidate's model built on ``device`` in its precision (LoRA adapters
     where it has them), its optimizer, and ``step(model, optimizer, batch)``, its training step (its techniques,
-    a GradScaler kept across steps for float16, saved tensors to the host for offload, its loss)."""
+    a GradScaler kept across steps for float16, saved tensors to the host for offload, its loss). An optimizer
+    with its state on the host (torchao's) is built, and ``step`` runs, under ``gpukit.offload.cuda_stand_ins()``
+    where ``device`` is the CPU: torchao asks for CUDA (its own ``optimizer.step()`` called outside ``step``
+    needs the stand-ins too)."""
     dev = torch.device(device)
     with dev:
         model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora)()
     model.to(dev)
-    optimizer = make_optimizer(model.parameters())
+    with _stand_ins(make_optimizer, dev):
+        optimizer = make_optimizer(model.parameters())
     technique = candidate.technique()
     scaler = torch.amp.GradScaler(dev.type) if technique.amp is torch.float16 else None
     loss = candidate_loss(candidate, loss)
@@ -81,7 +85,7 @@ def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device=
     def step(model, optimizer, batch):
         offload = torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if candidate.offload \
             else contextlib.nullcontext()
-        with offload:
+        with _stand_ins(make_optimizer, dev), offload:
             train_step(model, optimizer, batch, technique, scaler, loss=loss)
 
     return model, optimizer, step
