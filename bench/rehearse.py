@@ -18,8 +18,12 @@ the limit, the lesson certainly does not fit; under it, probably.
 Arithmetic is real: a lesson whose GPU sizes take longer than ``--limit`` seconds on this CPU is stopped and
 recorded as not rehearsed, never as passed. What a rehearsal repeats fewer times than the card would is timed steps
 only (``gpukit.lessons.sizes.REHEARSAL_REPEATS``: their times on this CPU say nothing of the card's, and no cell that
-repeats them asserts a time); the table's ``shortened`` column names them. Writes ``data/rehearsals/<card>.csv``, one row per notebook, and exits
-non-zero if an assertion failed, a cell raised, a lesson did not fit or was not rehearsed to its end.
+repeats them asserts a time); the table's ``shortened`` column names them. The cells of
+``gpukit.lessons.sizes.REHEARSAL_ON_FAKE_TENSORS`` (arithmetic of hours here, assertions on memory alone) run on fake
+tensors, with the card's allocator (gpukit.lessons.rehearsal): the ``fake_cells`` column names them and
+``made_up_values`` counts the values read from tensors there. Writes ``data/rehearsals/<card>.csv``, one row per
+notebook, and exits non-zero if an assertion failed, a cell raised, a lesson did not fit or was not rehearsed to its
+end.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ OUT = ROOT / "data" / "rehearsals"
 HOST_BYTES = {"t4": int(12.7e9)}
 COLUMNS = ["notebook", "card", "status", "assertions", "cpu_assertions", "failed", "errors", "peak_allocated_bytes",
            "peak_reserved_bytes", "context_bytes", "card_bytes", "host_peak_bytes", "host_need_bytes", "host_bytes",
-           "fits", "seconds", "shortened", "first_failure"]
+           "fits", "seconds", "shortened", "fake_cells", "made_up_values", "first_failure"]
 
 
 def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, progress: Path | None = None) -> dict:
@@ -61,10 +65,18 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, prog
 
     from gpukit.allocator import CONTEXT_ALLOWANCE
     from gpukit.cards import card as card_named
-    from gpukit.lessons.sizes import REHEARSE_VAR, card_memory, shortened, tier_of
+    from gpukit.lessons.sizes import REHEARSAL_ON_FAKE_TENSORS, REHEARSE_VAR, card_memory, shortened, tier_of
 
     c = None if card_key == "cpu" else card_named(card_key)
     nb = nbformat.read(path, as_version=4)
+    fake = REHEARSAL_ON_FAKE_TENSORS.get(path.stem, {}) if c is not None else {}
+    missing = set(fake) - {cell.get("id") for cell in nb.cells}
+    if missing:  # a cell renamed: rehearsed for real it would run for hours
+        raise ValueError(f"{path.name} has no cell {', '.join(sorted(missing))} (REHEARSAL_ON_FAKE_TENSORS)")
+    if fake:  # the kernel's rehearsal opens and closes the fake tensors around each listed cell
+        nb.cells = [new for cell in nb.cells for new in (
+            [nbformat.v4.new_code_cell("__gpukit_rehearsal__.fake_begin()"), cell,
+             nbformat.v4.new_code_cell("__gpukit_rehearsal__.fake_end()")] if cell.get("id") in fake else [cell])]
     nb.cells.insert(0, nbformat.v4.new_code_cell(
         f"from gpukit.lessons.rehearsal import install; install({str(progress) if progress else None!r})"))
     nb.cells.append(nbformat.v4.new_code_cell("from gpukit.lessons.rehearsal import report; report()"))
@@ -73,7 +85,8 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, prog
            "host_bytes": HOST_BYTES.get(card_key),
            # timed steps repeated fewer times than on the card (gpukit.lessons.sizes.REHEARSAL_REPEATS)
            "shortened": "; ".join(f"{name} {new} (card: {old})" for name, (old, new)
-                                  in (shortened(path.stem, tier_of(c.memory_bytes)) if c else {}).items())}
+                                  in (shortened(path.stem, tier_of(c.memory_bytes)) if c else {}).items()),
+           "fake_cells": "; ".join(fake.values())}
     saved = {k: os.environ.get(k) for k in (REHEARSE_VAR, "MPLBACKEND")}
     os.environ.pop(REHEARSE_VAR, None)
     if c is not None:
@@ -207,7 +220,7 @@ def readme_section(folder: Path | None = None) -> str:
             rows = list(csv.DictReader(f))
         lines += [f"**{table.stem}** (`data/rehearsals/{table.name}`)", "",
                   "| notebook | status | assertions (CPU run) | failed | errors | reserved peak + context "
-                  "| host beside it | fits | timed repeats |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| host beside it | fits | differs from the card |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             reserved = int(r["peak_reserved_bytes"] or 0) + int(r["context_bytes"] or 0)
             card = f" of {int(r['card_bytes']) / 2**30:,.1f} GiB" if r["card_bytes"] else ""
@@ -215,9 +228,12 @@ def readme_section(folder: Path | None = None) -> str:
                                                    - int(r["peak_allocated_bytes"] or 0), 0)
             host = f"{int(need) / 2**30:.1f} GiB"
             counts = f"{r['assertions'] or '-'}" + (f" ({r['cpu_assertions']})" if r["cpu_assertions"] else "")
+            differs = ([f"fewer: {r['shortened']}"] if r.get("shortened") else []) + (
+                [f"on fake tensors: {r['fake_cells']} ({r.get('made_up_values') or 0} values made up)"]
+                if r.get("fake_cells") else [])
             lines.append(f"| {r['notebook']} | {r['status']} | {counts} | {r['failed'] or '-'} | {r['errors']} "
                          f"| {reserved / 2**30:,.2f} GiB{card} | {host} | {r['fits']} "
-                         f"| {'fewer: ' + r['shortened'] if r.get('shortened') else 'as on the card'} |")
+                         f"| {'; '.join(differs) or 'as on the card'} |")
         lines.append("")
     return "\n".join(lines).strip()
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ._torch import TorchDispatchMode, in_backward
+from ._torch import TorchDispatchMode, active_fake_mode, in_backward
 from .allocator import cpu_device
 from .counter import FAKE_LEDGER, INTERRUPTS, LEDGER
 from .report import MemoryReport, record
@@ -258,6 +258,7 @@ class measure:
             current GPU if there is one, else the CPU. ``'meta'`` measures a simulated
             device: what tensors on ``meta`` (fake tensors under ``FakeTensorMode``
             among them) would allocate, for lessons that need a GPU beside the CPU.
+            ``'cpu'`` inside ``FakeTensorMode``: what its fake CPU tensors would hold.
         label: a name for the report and its row in ``gpukit.history()``.
         model: with it (and ``optimizer``), the report breaks memory down by role
             (parameters, gradients, optimizer state, activations, temporaries).
@@ -305,7 +306,10 @@ class measure:
             if kind == "cuda":
                 self._meter = _CudaMeter(self.device, self._phases)
             else:
-                ledger, label = (LEDGER, None) if kind == "cpu" else (FAKE_LEDGER, "meta")
+                if kind == "cpu" and active_fake_mode() is not None:
+                    ledger, label = FAKE_LEDGER, "cpu"  # fake CPU tensors: what they would hold, counted
+                else:
+                    ledger, label = (LEDGER, None) if kind == "cpu" else (FAKE_LEDGER, "meta")
                 self._meter = _LedgerMeter(ledger, label, self._phases)
             if self._phases is not None:
                 self._phases.start()

@@ -519,3 +519,20 @@ def test_after_a_block_torch_compile_compiles_the_code_it_ran_eagerly_in_it(comp
     compiled(x)                                                            # its compiled graph, again
     torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16)), backend=backend)(x)  # a new one: the same graph
     assert seen == {"compiled": 1, "ran": 3}                               # neither ran eagerly
+
+
+def test_the_cpu_measured_under_fake_tensors_counts_what_they_would_hold():
+    """Device: cpu, real and fake. A block of fake CPU tensors measures the bytes the same block takes for real
+    (it measured nothing before); tensors on 'meta' beside them are not the CPU's."""
+    from gpukit._torch import FakeTensorMode
+
+    def block():
+        model = torch.nn.Linear(64, 32)
+        model(torch.randn(16, 64)).sum().backward()
+        torch.empty(1000, device="meta")
+
+    with gpukit.measure("cpu", record=False) as real:
+        block()
+    with FakeTensorMode(allow_non_fake_inputs=True), gpukit.measure("cpu", record=False) as fake:
+        block()
+    assert (fake.peak, fake.delta) == (real.peak, real.delta) and real.peak > 0

@@ -63,6 +63,54 @@ def test_a_card_is_rehearsed_on_its_memory_and_a_step_too_big_for_it_does_not_fi
     assert row["peak_reserved_bytes"] + row["context_bytes"] > row["card_bytes"]
 
 
+def test_a_cell_listed_runs_on_fake_tensors_on_the_card_and_the_next_one_is_real_again(tmp_path, monkeypatch):
+    """Device: cpu; a T4 simulated. A 16 GiB tensor in a cell on fake tensors takes no RAM, is measured, counts
+    against the card (the real allocator's bytes at the cell's start beside it) and does not fit; the value read
+    from it is made up and counted; the cells after it are real."""
+    from gpukit.lessons.sizes import REHEARSAL_ON_FAKE_TENSORS
+
+    path = notebook(
+        tmp_path,
+        "import torch, gpukit\nfrom gpukit._torch import FakeTensor\nsmall = torch.ones(2**20)   # real, 4 MiB",
+        "with gpukit.measure('cpu', record=False) as m:\n    big = torch.ones(4 * 2**30)   # 16 GiB\n"
+        "    total = big.sum().item()\nassert isinstance(big, FakeTensor) and m.peak == 16 * 2**30 + 512   # and its sum\ndel big",
+        "assert not isinstance(torch.ones(1), FakeTensor) and small.sum().item() == 2**20",
+        name="97_fake")
+    cell = nbformat.read(path, as_version=4).cells[2]
+    monkeypatch.setitem(REHEARSAL_ON_FAKE_TENSORS, "97_fake", {cell.id: "the big one"})
+    row = rehearsal.rehearse(path, "t4", LIMIT)
+    assert (row["status"], row["assertions"], row["failed"], row["errors"]) == ("complete", 2, 0, 0), row["first_failure"]
+    assert row["peak_reserved_bytes"] >= 16 * 2**30 + 2**22 and row["fits"] is False
+    assert row["host_peak_bytes"] < 4 * 2**30 and row["made_up_values"] == 1 and row["fake_cells"] == "the big one"
+    monkeypatch.setitem(REHEARSAL_ON_FAKE_TENSORS, "97_fake", {"renamed": "the big one"})
+    with pytest.raises(ValueError, match="has no cell renamed"):
+        rehearsal.rehearse(path, "t4", LIMIT)
+
+
+def test_a_cell_on_fake_tensors_measures_the_bytes_of_the_real_one():
+    """Device: cpu. Notebook 09's technique matrix (a model of it: one setup, the techniques whose steps differ most,
+    GradScaler's check for inf included) measured on fake tensors as a rehearsal runs it, then for real: the same
+    bytes on every row; the data loaded first inside the fake cell stays real for the real run."""
+    from gpukit.lessons import data
+    from gpukit.lessons.rehearsal import _Counter
+    from gpukit.lessons.techniques import TECHNIQUES, reference_setups, run_matrix
+
+    setups = reference_setups("small")[2:]  # the tiny GPT
+    techniques = [t for t in TECHNIQUES if t.name in ("baseline", "AMP fp16", "accumulation k=4", "checkpointing",
+                                                      "offload saved activations")]
+    data._CACHE.clear()
+    counter = _Counter()
+    counter.fake_begin()
+    try:
+        fake = run_matrix("cpu", setups, techniques, steps=0, echo=None)
+    finally:
+        counter.fake_end()
+    real = run_matrix("cpu", setups, techniques, steps=0, echo=None)
+    assert [r["peak_bytes"] for r in fake] == [r["peak_bytes"] for r in real]
+    assert all(r["peak_bytes"] for r in real) and counter.made_up > 0  # the GradScaler's reads
+    assert counter.peak_reserved >= max(r["peak_bytes"] for r in fake if r["status"] == "ok")
+
+
 def test_a_notebook_over_the_limit_is_stopped_and_not_counted_as_rehearsed(tmp_path, monkeypatch):
     monkeypatch.setenv(REHEARSE_VAR, "h100")  # the runner's own setting wins, and is put back
     path = notebook(tmp_path, "assert True", "import time\ntime.sleep(60)", "assert False")

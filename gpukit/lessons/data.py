@@ -10,6 +10,8 @@ from importlib.resources import files
 import numpy as np
 import torch
 
+from .._torch import _disable_current_modes
+
 DATASETS = files("gpukit.lessons") / "datasets"
 DIGITS_SHA256 = "b2dab7b501728c22e9119ad76740b2e17c77a231e42d1e592380d90886f1a05e"
 
@@ -65,5 +67,6 @@ _CACHE: dict = {}
 
 def _cached(key, load):
     if key not in _CACHE:
-        _CACHE[key] = load()
+        with _disable_current_modes():  # loaded first under fake tensors (predict, a rehearsal), it stays real
+            _CACHE[key] = load()
     return _CACHE[key]

@@ -9,11 +9,20 @@ Cells are rewritten as they run (an IPython AST transformer): ``assert test, mes
 assertion, records it with its message if it fails, and goes on, so one failure does not hide the ones after it.
 Under ``GPUKIT_REHEARSE`` (a ``gpukit.cards`` key) the simulated GPU behind the CPU meter gets that card's memory
 first, whether the lesson asks for its sizes or not.
+
+A cell listed in ``gpukit.lessons.sizes.REHEARSAL_ON_FAKE_TENSORS`` runs between ``fake_begin()`` and ``fake_end()``
+(cells the runner puts around it): on fake tensors, the machinery of ``predict()``. Every tensor gets the shape, dtype
+and storage the real run gives it (``FakeKernelCheck`` corrects the fake kernels that get one wrong), ``measure("cpu")``
+counts the fake CPU tensors, and a simulated allocator of the card follows them beside the real one: the peak
+reserved bytes are the real allocator's at the cell's start plus the fake cell's own peak (blocks the real cache
+holds are not reused: an upper bound). No arithmetic is done, so a value read from a tensor (``.item()``) is made up:
+``False``, ``0`` or ``0.0`` (no inf found, nothing out of range, as in healthy training), and counted.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 
 MARK = "GPUKIT-REHEARSAL "
@@ -60,7 +69,54 @@ class _Counter:
 
         return {"assertions": self.evaluated, "failed": self.failed, "failures": self.failures[:5],
                 "peak_allocated_bytes": self.peak_allocated, "peak_reserved_bytes": self.peak_reserved,
-                "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "made_up_values": self.made_up}
+
+    fake: tuple | None = None  # while a cell runs on fake tensors: (its modes, its simulated allocator, the real one's
+    made_up = 0                # allocated and reserved bytes at its start); values read from fake tensors, made up
+
+    def fake_begin(self) -> None:
+        from gpukit._torch import FakeTensorMode
+        from gpukit.allocator import cpu_device, follow
+        from gpukit.counter import FAKE_LEDGER
+        from gpukit.factories import swappable_fakes
+        from gpukit.fakecheck import FakeKernelCheck
+        from gpukit.meter import measure
+
+        if self.fake is not None:
+            raise RuntimeError("a cell on fake tensors is already open")
+        real = cpu_device()
+        if real is not None:  # the simulation learns of tensors made outside measured blocks at the next one
+            with measure("cpu", record=False):
+                pass
+        stats = real.allocator.memory_stats() if real is not None else {}
+        allocated, reserved = stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0)
+        stack = contextlib.ExitStack()
+        try:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(swappable_fakes(mode))  # model.to(...) of a fake model (gpukit.factories)
+            stack.enter_context(FakeKernelCheck())
+            values = stack.enter_context(_healthy_values())
+            simulated = stack.enter_context(follow(FAKE_LEDGER))  # no capacity: what it reserves, whatever its size
+            tally = FAKE_LEDGER.start()
+            stack.callback(FAKE_LEDGER.stop, tally)
+            watch = simulated.watch()
+        except BaseException:
+            stack.close()
+            raise
+        self.fake = (stack, simulated, watch, tally, values, allocated, reserved)
+
+    def fake_end(self) -> None:
+        if self.fake is None:
+            return
+        stack, simulated, watch, tally, values, allocated, reserved = self.fake
+        self.fake = None
+        try:
+            self.peak_reserved = max(self.peak_reserved, reserved + simulated.unwatch(watch))
+        finally:
+            stack.close()
+        self.peak_allocated = max(self.peak_allocated, allocated + tally.peak)
+        self.made_up += sum(values.made_up.values())
 
 
 class _CountAsserts(ast.NodeTransformer):
@@ -78,6 +134,19 @@ class _CountAsserts(ast.NodeTransformer):
                                            ctx=ast.Load()),
                         args=[node.test, message, ast.Constant(where)], keywords=[])
         return ast.copy_location(ast.Expr(call), node)
+
+
+def _healthy_values():
+    from gpukit.factories import ValuesWhileBuilding
+
+    class HealthyValues(ValuesWhileBuilding):
+        """A value read from a fake tensor in a rehearsal: that of a healthy step (no inf found by a GradScaler,
+        nothing out of range, a loss of 0), counted in ``made_up``."""
+
+        MADE_UP = {"bool": False, "float": 0.0, "int": 0}
+
+    return HealthyValues()
+
 
 
 def install(progress: str | None = None) -> None:
@@ -104,6 +173,7 @@ def report() -> None:
     from IPython import get_ipython
 
     counter = get_ipython().user_ns["__gpukit_rehearsal__"]
+    counter.fake_end()  # a cell on fake tensors stopped by the time limit
     counter.after_cell()
     print(MARK + json.dumps(counter.found()))
 

@@ -87,8 +87,19 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 # cores). Nothing else changes: the memory a lesson measures and every assertion it makes are the card's (no cell that
 # repeats these steps asserts a time). Each entry keeps at least two repetitions: the lessons take quartiles.
 REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
-    "02_mixed_precision": {"SPEED_STEPS": 2},
     "04_gradient_checkpointing": {"TIME_SHAPES": lambda shapes: [(width, batch, 2) for width, batch, _ in shapes]},
+}
+
+# Cells a rehearsal runs on fake tensors (gpukit.lessons.rehearsal.fake_begin), by the cell's id in the notebook: the
+# same code, every tensor made with the shape, dtype and size the real run gives it, on the card's simulated
+# allocator, and no arithmetic. Only cells whose real arithmetic at a card's sizes would take this CPU hours, and
+# whose assertions, if any, read memory, never a computed value: a CPU emulates float16 (one float16 step of notebook
+# 02's speed model, 8,192 x 4,096 wide, takes about 35 minutes on two cores; 09's technique matrix runs such steps for
+# three models). A value a cell reads from a tensor there (``loss.item()`` to wait for the GPU, a GradScaler's check
+# for inf) is made up, and the table says how many were.
+REHEARSAL_ON_FAKE_TENSORS: dict[str, dict[str, str]] = {
+    "02_mixed_precision": {"bb556ae7": "speed"},
+    "09_gpu_results": {"efbc5d28": "technique matrix", "6808614a": "time ratios"},
 }
 
 
@@ -180,5 +191,5 @@ def lesson_settings(notebook: str, device: torch.device | str | None = None) -> 
     return LessonSettings(notebook, dev, tier, found, sizes, rehearsal=rehearsing is not None, shortened=fewer)
 
 
-__all__ = ["lesson_settings", "LessonSettings", "SIZES", "REHEARSAL_REPEATS", "REHEARSE_VAR", "rehearsed_card",
-           "card_memory", "shortened"]
+__all__ = ["lesson_settings", "LessonSettings", "SIZES", "REHEARSAL_REPEATS", "REHEARSAL_ON_FAKE_TENSORS",
+           "REHEARSE_VAR", "rehearsed_card", "card_memory", "shortened"]
