@@ -11,9 +11,9 @@ one failure does not hide the ones after it. After each cell the simulated alloc
 the kernel's own peak of resident memory. The card's memory holds the peak reserved bytes plus the context allowance
 (gpukit.allocator's ``CONTEXT_ALLOWANCE``) or the lesson does not fit. Colab's T4 runtime also has its host RAM
 checked (``HOST_BYTES``) against ``host_need_bytes``: the kernel's peak resident memory less the simulated device's
-peak allocated bytes, since on this CPU the device's tensors live in host RAM and on a GPU they do not. It is a
-lower bound of the host RAM the lesson needs beside the card (the two peaks need not come at one moment): over
-the limit, the lesson certainly does not fit; under it, probably.
+peak allocated bytes of real tensors, since on this CPU the device's tensors live in host RAM and on a GPU they do
+not. It is a lower bound of the host RAM the lesson needs beside the card (the two peaks need not come at one
+moment): over the limit, the lesson certainly does not fit; under it, probably.
 
 Arithmetic is real: a lesson whose GPU sizes take longer than ``--limit`` seconds on this CPU is stopped and
 recorded as not rehearsed, never as passed. What a rehearsal repeats fewer times than the card would is timed steps
@@ -149,7 +149,9 @@ def rehearse(path: Path, card_key: str, limit: float, grace: float = 120.0, prog
         row["first_failure"] = next(f"{o['ename']}: {o['evalue']}"[:300] for cell in nb.cells
                                     for o in cell.get("outputs", []) if o.get("output_type") == "error")
     fits_card = c is None or row["peak_reserved_bytes"] + row["context_bytes"] <= row["card_bytes"]
-    row["host_need_bytes"] = max(row["host_peak_bytes"] - row["peak_allocated_bytes"], 0)
+    # (the tensors of a cell on fake tensors take no host RAM here: only the real ones' peak is taken off)
+    row["host_need_bytes"] = max(row["host_peak_bytes"] - row.pop("real_peak_allocated_bytes",
+                                                                  row["peak_allocated_bytes"]), 0)
     fits_host = row["host_bytes"] is None or row["host_need_bytes"] <= row["host_bytes"]
     row["fits"] = row["status"] == "complete" and fits_card and fits_host
     return row

@@ -82,6 +82,7 @@ def test_a_cell_listed_runs_on_fake_tensors_on_the_card_and_the_next_one_is_real
     assert (row["status"], row["assertions"], row["failed"], row["errors"]) == ("complete", 2, 0, 0), row["first_failure"]
     assert row["peak_reserved_bytes"] >= 16 * 2**30 + 2**22 and row["fits"] is False
     assert row["host_peak_bytes"] < 4 * 2**30 and row["made_up_values"] == 1 and row["fake_cells"] == "the big one"
+    assert row["host_need_bytes"] >= row["host_peak_bytes"] - 2**23  # only the real tensors live in host RAM
     monkeypatch.setitem(REHEARSAL_ON_FAKE_TENSORS, "97_fake", {"renamed": "the big one"})
     with pytest.raises(ValueError, match="has no cell renamed"):
         rehearsal.rehearse(path, "t4", LIMIT)

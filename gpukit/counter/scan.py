@@ -102,12 +102,11 @@ class _Scan:
         """Whether to keep a weak reference to this tensor object between scans.
 
         Not to tensor subclasses that PyTorch may swap in place (DTensor: FSDP2;
-        fake tensors, for the real counter): ``torch.utils.swap_tensors`` refuses
-        tensors with weak references. Their storages are adopted when first found.
+        fake tensors: ``nn.Module.to()`` swaps a fake parameter always): ``torch.utils.swap_tensors``
+        refuses tensors with weak references. Their storages are adopted when first found; what they
+        gain later (a ``.grad``, a graph) is a new object, found by the next scan of the young ones.
         """
-        if is_traceable_wrapper_subclass(t):
-            return False
-        return self.fake or not isinstance(t, FakeTensor)
+        return not is_traceable_wrapper_subclass(t) and not isinstance(t, FakeTensor)
 
     def _read(self, t: torch.Tensor, graph_roots: list) -> None:
         """Adopt a tensor's storage, its ``.grad``, and note its autograd graph."""

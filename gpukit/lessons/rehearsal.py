@@ -35,6 +35,7 @@ class _Counter:
         self.evaluated = self.failed = 0
         self.failures: list[str] = []
         self.peak_allocated = self.peak_reserved = 0
+        self.real_peak_allocated = 0  # of real tensors alone (in host RAM here): fake cells' take none
 
     def check(self, ok, message, where: str) -> None:
         self.evaluated += 1
@@ -55,6 +56,7 @@ class _Counter:
         if device is not None:
             stats = device.allocator.memory_stats()
             self.peak_allocated = max(self.peak_allocated, stats["allocated_bytes.all.peak"])
+            self.real_peak_allocated = max(self.real_peak_allocated, stats["allocated_bytes.all.peak"])
             self.peak_reserved = max(self.peak_reserved, stats["reserved_bytes.all.peak"])
         if self.progress is not None:  # what a runner that has to kill this kernel still learns
             import os
@@ -70,7 +72,7 @@ class _Counter:
         return {"assertions": self.evaluated, "failed": self.failed, "failures": self.failures[:5],
                 "peak_allocated_bytes": self.peak_allocated, "peak_reserved_bytes": self.peak_reserved,
                 "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "made_up_values": self.made_up}
+                "made_up_values": self.made_up, "real_peak_allocated_bytes": self.real_peak_allocated}
 
     fake: tuple | None = None  # while a cell runs on fake tensors: (its modes, its simulated allocator, the real one's
     made_up = 0                # allocated and reserved bytes at its start); values read from fake tensors, made up
