@@ -112,11 +112,17 @@ def case_06(s):  # every part on the GPU: the embedding table, its gradient and 
     return (lambda: scope["BagModel"](cpu, cpu, s["BUCKETS"])), make_batch
 
 
+def case_07(s):  # the batch the notebook shows failing under its budget: the card itself must hold it
+    return (lambda: MLP(n_in=64, width=s["WIDTH"], depth=s["DEPTH"])), digits(s["BIG_BATCH"])
+
+
 CASES = {"00_where_memory_goes": mlp_case(2),   # the MLP whose parameters, gradients and Adam state it measures
          "01_no_grad": case_01, "02_mixed_precision": mlp_case(3),
          "03_gradient_accumulation": mlp_case(),     # the whole batch in one step, the run accumulation remedies
          "04_gradient_checkpointing": case_04, "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06,
-         "10_everyday_savings": mlp_case()}
+         "07_oom_and_batch_size": case_07, "10_everyday_savings": mlp_case()}
+# (08 and 11 have one size for every device, which their CPU runs under nbval execute; 12 and 13 predict for the
+# card themselves.)
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -131,6 +137,17 @@ def test_the_notebooks_gpu_sized_step_fits_its_card_with_headroom(name, card, mo
     assert p.reserved_peak >= p.peak > 0
     assert need <= HEADROOM * memory, (f"{name}: {need / MiB:,.0f} MiB needed on {card} "
                                        f"({HEADROOM:.0%} of {memory / MiB:,.0f} MiB)")
+
+
+@pytest.mark.parametrize("card", CARDS)
+def test_the_big_batch_of_notebook_07_is_over_its_budget_on_the_card(card, monkeypatch):
+    """Device: cpu (fake tensors), predicting each card. Notebook 07 asserts that its big batch does not fit its
+    budget: at a card's sizes too. On a GPU the budget caps reserved memory (the allocator's memory fraction), on
+    the CPU live bytes: the step's allocated peak over it puts both over (reserved is never below allocated)."""
+    settings = gpu_settings("07_oom_and_batch_size", monkeypatch, card)
+    make_model, make_batch = case_07(settings)
+    p = predict(make_model, adam, make_batch, card=card)
+    assert p.peak > gpukit.parse_bytes(settings["BUDGET"])
 
 
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
