@@ -96,7 +96,8 @@ REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
 # whose assertions, if any, read memory, never a computed value: a CPU emulates float16 (one float16 step of notebook
 # 02's speed model, 8,192 x 4,096 wide, takes about 35 minutes on two cores; 09's technique matrix runs such steps for
 # three models). A value a cell reads from a tensor there (``loss.item()`` to wait for the GPU, a GradScaler's check
-# for inf) is made up, and the table says how many were.
+# for inf) is made up, and the table says how many were. (A cell that calls predict() cannot be listed: a prediction
+# has the fake tensors' simulated allocator to itself.)
 REHEARSAL_ON_FAKE_TENSORS: dict[str, dict[str, str]] = {
     "02_mixed_precision": {"bb556ae7": "speed"},
     "09_gpu_results": {"efbc5d28": "technique matrix", "6808614a": "time ratios"},
