@@ -222,7 +222,8 @@ def readme_section(folder: Path | None = None) -> str:
             rows = list(csv.DictReader(f))
         lines += [f"**{table.stem}** (`data/rehearsals/{table.name}`)", "",
                   "| notebook | status | assertions (CPU run) | failed | errors | reserved peak + context "
-                  "| host beside it | fits | differs from the card |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| host beside it | fits | differs from the card |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             reserved = int(r["peak_reserved_bytes"] or 0) + int(r["context_bytes"] or 0)
             card = f" of {int(r['card_bytes']) / 2**30:,.1f} GiB" if r["card_bytes"] else ""

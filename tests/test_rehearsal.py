@@ -73,13 +73,15 @@ def test_a_cell_listed_runs_on_fake_tensors_on_the_card_and_the_next_one_is_real
         tmp_path,
         "import torch, gpukit\nfrom gpukit._torch import FakeTensor\nsmall = torch.ones(2**20)   # real, 4 MiB",
         "with gpukit.measure('cpu', record=False) as m:\n    big = torch.ones(4 * 2**30)   # 16 GiB\n"
-        "    total = big.sum().item()\nassert isinstance(big, FakeTensor) and m.peak == 16 * 2**30 + 512   # and its sum\ndel big",
+        "    total = big.sum().item()\n"
+        "assert isinstance(big, FakeTensor) and m.peak == 16 * 2**30 + 512   # and its sum\ndel big",
         "assert not isinstance(torch.ones(1), FakeTensor) and small.sum().item() == 2**20",
         name="97_fake")
     cell = nbformat.read(path, as_version=4).cells[2]
     monkeypatch.setitem(REHEARSAL_ON_FAKE_TENSORS, "97_fake", {cell.id: "the big one"})
     row = rehearsal.rehearse(path, "t4", LIMIT)
-    assert (row["status"], row["assertions"], row["failed"], row["errors"]) == ("complete", 2, 0, 0), row["first_failure"]
+    found = (row["status"], row["assertions"], row["failed"], row["errors"])
+    assert found == ("complete", 2, 0, 0), row["first_failure"]
     assert row["peak_reserved_bytes"] >= 16 * 2**30 + 2**22 and row["fits"] is False
     assert row["host_peak_bytes"] < 4 * 2**30 and row["made_up_values"] == 1 and row["fake_cells"] == "the big one"
     assert row["host_need_bytes"] >= row["host_peak_bytes"] - 2**23  # only the real tensors live in host RAM

@@ -74,8 +74,10 @@ class _Counter:
                 "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "made_up_values": self.made_up, "real_peak_allocated_bytes": self.real_peak_allocated}
 
-    fake: tuple | None = None  # while a cell runs on fake tensors: (its modes, its simulated allocator, the real one's
-    made_up = 0                # allocated and reserved bytes at its start); values read from fake tensors, made up
+    # While a cell runs on fake tensors: its modes, its simulated allocator, and the real allocator's allocated and
+    # reserved bytes at its start. ``made_up``: the values read from fake tensors, made up, in every such cell.
+    fake: tuple | None = None
+    made_up = 0
 
     def fake_begin(self) -> None:
         from gpukit._torch import FakeTensorMode
@@ -148,7 +150,6 @@ def _healthy_values():
         MADE_UP = {"bool": False, "float": 0.0, "int": 0}
 
     return HealthyValues()
-
 
 
 def install(progress: str | None = None) -> None:
