@@ -323,12 +323,22 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     return tensors
 
 
+def distinct_storages(tensors) -> dict[int, int]:
+    """``id(storage) -> bytes`` of the distinct storages of the strided ``tensors`` (the counter's rule: a
+    storage shared by views or by two tensors counts once; sparse tensors are not counted)."""
+    return {id(st): st.nbytes() for st in (t.untyped_storage() for t in tensors if t.layout is torch.strided)}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``, each rounded as the CUDA allocator rounds a block."""
+    return sum(round_up(n) for n in distinct_storages(tensors).values())
+
+
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any = ()) -> tuple[int, int]:
     """Bytes of the training state: the distinct storages of ``state_tensors`` (parameters, buffers,
     gradients, optimizer state, and the batch), as ``(allocated, requested)``: rounded as the CUDA
     allocator rounds each block (``allocated_size``), and as asked for."""
-    storages = {id(st): st.nbytes() for st in (t.untyped_storage() for t in state_tensors(model, optimizer, batch)
-                                               if t.layout is torch.strided)}  # the counter's rule
+    storages = distinct_storages(state_tensors(model, optimizer, batch))
     return sum(round_up(n) for n in storages.values()), sum(storages.values())
 
 
@@ -478,4 +488,5 @@ def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[],
 
 
 __all__ = ["predict", "measured_step_peak", "Prediction", "rule_of_thumb", "RuleOfThumb", "layer_table",
-           "default_step", "state_tensors", "state_bytes", "optimizer_copies", "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]
+           "default_step", "state_tensors", "state_bytes", "distinct_storages", "storage_bytes", "optimizer_copies",
+           "GPU_SIZES_GB", "CONTEXT_ALLOWANCE"]

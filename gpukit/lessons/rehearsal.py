@@ -25,6 +25,8 @@ import ast
 import contextlib
 import json
 
+from gpukit.factories import ValuesWhileBuilding
+
 MARK = "GPUKIT-REHEARSAL "
 
 
@@ -100,7 +102,7 @@ class _Counter:
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(swappable_fakes(mode))  # model.to(...) of a fake model (gpukit.factories)
             stack.enter_context(FakeKernelCheck())
-            values = stack.enter_context(_healthy_values())
+            values = stack.enter_context(_HealthyValues())
             simulated = stack.enter_context(follow(FAKE_LEDGER))  # no capacity: what it reserves, whatever its size
             tally = FAKE_LEDGER.start()
             stack.callback(FAKE_LEDGER.stop, tally)
@@ -140,16 +142,11 @@ class _CountAsserts(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(call), node)
 
 
-def _healthy_values():
-    from gpukit.factories import ValuesWhileBuilding
+class _HealthyValues(ValuesWhileBuilding):
+    """A value read from a fake tensor in a rehearsal: that of a healthy step (no inf found by a GradScaler,
+    nothing out of range, a loss of 0), counted in ``made_up``."""
 
-    class HealthyValues(ValuesWhileBuilding):
-        """A value read from a fake tensor in a rehearsal: that of a healthy step (no inf found by a GradScaler,
-        nothing out of range, a loss of 0), counted in ``made_up``."""
-
-        MADE_UP = {"bool": False, "float": 0.0, "int": 0}
-
-    return HealthyValues()
+    MADE_UP = {"bool": False, "float": 0.0, "int": 0}
 
 
 def install(progress: str | None = None) -> None:

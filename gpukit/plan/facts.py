@@ -16,6 +16,7 @@ from torch import nn
 from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
+from ..estimate import storage_bytes
 from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
 from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_checkpointing_methods
 
@@ -128,9 +129,7 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
         parameter_shapes = tuple((p.numel(), p.element_size(), p.is_floating_point(), p.requires_grad)
                                  for p in model.parameters())
         buffer_shapes = tuple((t.numel(), t.element_size(), t.is_floating_point()) for t in model.buffers())
-        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
-                    for t in [*model.parameters(), *model.buffers()]}
-        model_bytes = sum(round_up(n) for n in storages.values())
+        model_bytes = storage_bytes([*model.parameters(), *model.buffers()])
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         largest = max((sum(p.numel() * 4 for p in m.parameters()) for m in cp.modules), default=0) \
             if cp.kind == "blocks" else n_params * 4

@@ -13,7 +13,7 @@ from torch import nn
 from .._torch import ScalerThatAlwaysSteps, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up
-from ..estimate import state_bytes
+from ..estimate import distinct_storages, state_bytes, storage_bytes
 from ..factories import fake_model, swappable_fakes
 from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
 from .candidates import Candidate
@@ -106,9 +106,7 @@ class _Phases:
         phases["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
         # The gradients the step starts with (zero_grad frees them first): an optimizer that frees each gradient in
         # backward starts without them (gpukit.plan.search's phase bound of the forward takes them out).
-        grads = {id(st): st.nbytes() for st in (p.grad.untyped_storage() for p in model.parameters()
-                                                if p.grad is not None)}
-        phases["grads"] = sum(round_up(n) for n in grads.values())
+        phases["grads"] = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
     def peak(self) -> int:
         FAKE_LEDGER.settle()
@@ -228,9 +226,7 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         # What outlives the step (read once predict has stopped its tally, after its role tracker has let go of
         # the graph of a step stopped in its forward): the scaler is kept for it, as a real step's is kept.
         found["tally"], found["scaler"] = tally, scaler
-        grads = {id(st): st.nbytes() for st in (p.grad.untyped_storage() for p in model.parameters()
-                                                if p.grad is not None)}
-        found["grads"] = sum(round_up(n) for n in grads.values())
+        found["grads"] = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
     return step
 
@@ -249,9 +245,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
     it shares with the model (parameters, buffers, gradients)."""
     model_storages = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(),
                                                         *(p.grad for p in model.parameters() if p.grad is not None)]}
-    storages = {id(st): st.nbytes() for st in (v.untyped_storage() for s in optimizer.state.values()
-                                               for v in s.values()
-                                               if torch.is_tensor(v) and v.layout is torch.strided)}
+    storages = distinct_storages(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     return sum(round_up(n) for key, n in storages.items() if key not in model_storages)
 
 
