@@ -354,22 +354,36 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                          "its gradient is complete: it cannot wait for more micro-batches (accumulate > 1) or for "
                          "a GradScaler's check of every gradient; use accumulate=1 and no scaler")
     loss = resolve_loss(loss)
-    if loss is None:
-        x, y = batch
-        micro_batches = list(zip(x.chunk(t.accumulate), y.chunk(t.accumulate)))
-    else:
-        micro_batches = split_batch(batch, t.accumulate)
+    parts = micro_batches(batch, t.accumulate, loss)
     optimizer.zero_grad(set_to_none=True)
-    for micro in micro_batches:
-        value, out, micro = micro_loss(model, micro, t, loss)
-        (scaler.scale(value) if scaler is not None else value).backward()
-        del value, out
+    for micro in parts:
+        micro = micro_backward(model, micro, t, scaler, loss)  # (as the forward took it: kept to the step's end)
     if scaler is not None:
         scaler.step(optimizer)  # a disabled scaler just steps
         scaler.update()
     else:
         optimizer.step()
 
+
+def micro_batches(batch: Any, k: int, loss=None) -> list:
+    """``batch`` cut into ``k`` micro-batches along its first dimension, as ``train_step`` cuts it: ``(inputs,
+    targets)`` pairs where ``loss`` (resolved: ``resolve_loss``) is None, else the batch's own structure."""
+    if loss is None:
+        x, y = batch
+        return list(zip(x.chunk(k), y.chunk(k)))
+    return split_batch(batch, k)
+
+
+def micro_backward(model: nn.Module, micro: Any, technique: Technique, scaler=None, loss=None) -> Any:
+    """One micro-batch's forward, loss and backward, as ``train_step`` runs each (``micro_loss``; the loss scaled
+    by ``scaler`` where there is one); its gradients add up in ``.grad``. Returns the micro-batch as the forward
+    took it (cast, for a half model)."""
+    value, out, micro = micro_loss(model, micro, technique, loss)
+    (scaler.scale(value) if scaler is not None else value).backward()
+    return micro
+
+
 __all__ = ["Technique", "BASELINE", "CheckpointPlan", "checkpoint_plan", "checkpointing",
-           "half_with_float_batchnorm", "own_checkpointing_methods", "train_step", "micro_loss", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
+           "half_with_float_batchnorm", "own_checkpointing_methods", "train_step", "micro_loss", "micro_batches",
+           "micro_backward", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
            "batch_size", "split_batch", "first_samples", "batch_device"]

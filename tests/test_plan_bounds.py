@@ -162,6 +162,113 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     assert whole.phase_bound(first) > 0.9 * exhaustive.rows[first].peak
 
 
+def prefix_phases(search: _Search, candidates, last_only: bool, monkeypatch) -> dict:
+    """Each candidate configuration's phases from its prefix, the accumulated ones run by their last micro-batch
+    alone (``last_only``) or every micro-batch, and whether a prefix said its last micro-batch cannot tell
+    ("shared")."""
+    steps = sys.modules["gpukit.plan.steps"]
+    flags: dict = {}
+
+    def prefix_step(c, k, loss, found, enough, last=True):
+        flags.setdefault(search.configuration(c), []).append(found)
+        return steps._prefix_step(c, k, loss, found, enough, last and last_only)
+
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["gpukit.plan.search"], "_prefix_step", prefix_step)
+        for c in candidates:
+            search.prefix(c)
+    return {key: (dict(search.phases[key]), key in search.every_grad, any("shared" in f for f in flags[key]))
+            for key in {search.configuration(c) for c in candidates}}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_accumulated_prefix_run_by_its_last_micro_batch_is_the_whole_ones(name, monkeypatch):
+    """Device: none (CUDA's rules). Accumulating 2 or 4 micro-batches (checkpointed, offloaded, float16 with its
+    GradScaler, bfloat16 weights), the prefix that runs only the last micro-batch, with the gradients the earlier
+    ones leave made at the end of its forward, gives the phases of the prefix that runs them all, to the byte:
+    the same first forward, the same peak up to the optimizer step, the same parameters with a gradient. One
+    exception, from the theory: a GradScaler's scale and growth tracker (two one-element tensors, 512 bytes each
+    once rounded), which the first micro-batch makes before the last one's forward, are made after it; the bound
+    leaves them out anyway (what outlives the step is the warm-up's), so it is lower by at most those 1,024
+    bytes, never higher."""
+    make_case, loss, precisions = CASES[name]
+    options = dict(precisions=precisions, offload=True, loss=None if loss is None else resolve_loss(loss),
+                   accumulate=[1, 2, 4])
+    found = {}
+    for last_only in (True, False):
+        search = search_for(make_case(), "cuda", **options)
+        search.hopeless = 0.0  # every prefix runs to the optimizer step
+        found[last_only] = prefix_phases(search, [c for c in search.candidates() if c.accumulate > 1], last_only,
+                                         monkeypatch)
+    assert len(found[True]) >= 2 * 2 * 2 * len(precisions)
+    for key, (phases, every_grad, shared) in found[True].items():
+        whole, whole_every_grad, _ = found[False][key]
+        assert not shared and every_grad == whole_every_grad
+        assert phases["forward"] == whole["forward"], key
+        allowed = 1024 if key[0] == "fp16" else 0
+        assert whole["backward"] - allowed <= phases["backward"] <= whole["backward"], (key, phases, whole)
+
+
+class _OneStorage(torch.autograd.Function):
+    """``x * (a.sum() + b.sum())``, whose backward returns the gradients of ``a`` and ``b`` as two rows of one
+    tensor: both taken over as ``.grad`` (torch/csrc/autograd/functions/accumulate_grad.h), one storage."""
+
+    @staticmethod
+    def forward(ctx, x, a, b):
+        ctx.save_for_backward(x)
+        return x * (a.sum() + b.sum())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        rows = (grad * x).sum().expand(2, 64).clone()
+        return grad * 2, rows[0], rows[1]
+
+
+class _TwinGrads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(64))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(_OneStorage.apply(x, self.a, self.b))
+
+
+def test_an_accumulated_prefix_whose_gradients_share_a_storage_runs_every_micro_batch(monkeypatch):
+    """Device: none. Two parameters whose gradients come as rows of one storage: made apart at the end of the last
+    micro-batch's forward they would count two storages where the first micro-batch leaves one (on the CPU, 512
+    bytes more once rounded: a bound above the truth). The prefix says so, and the search runs every micro-batch:
+    its phases are the whole prefix's; stopped before backward, it is below them."""
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    case = (_TwinGrads, lambda p: torch.optim.SGD(p, lr=0.1), lambda: (x.clone(), y.clone()))
+    real = _TwinGrads()
+    real(x).sum().backward()
+    assert real.a.grad.untyped_storage() is real.b.grad.untyped_storage()  # the premise, on real tensors
+    options = dict(precisions=("float32",), checkpointing=False, accumulate=[2])
+    found = {}
+    for last_only in (True, False):
+        search = search_for(case, "cpu", **options)
+        search.hopeless = 0.0
+        found[last_only] = prefix_phases(search, [c for c in search.candidates() if c.accumulate == 2], last_only,
+                                         monkeypatch)
+    (key, (phases, every_grad, shared)), = found[True].items()
+    whole = found[False][key][0]
+    assert shared and phases == whole and every_grad
+    # Budgets that stop it at the end of its forward, where its gradients are made and backward has not yet shown
+    # that they share a storage: they count for their elements' bytes, never above the truth.
+    stopped = 0
+    for limit in range(whole["forward"], whole["backward"] + 1024, 64):
+        search = search_for(case, "cpu", limit=limit, **options)
+        search.hopeless = 0.0
+        (bounded, _, shared), = prefix_phases(search, [c for c in search.candidates() if c.accumulate == 2], True,
+                                              monkeypatch).values()
+        assert bounded["backward"] <= whole["backward"], limit
+        stopped += not shared
+    assert stopped
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_state_without_a_floor_is_the_floors(name):

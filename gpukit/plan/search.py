@@ -415,16 +415,19 @@ class _Search:
         self.prefixed.add(key)
         proxy_k = 1 if c.accumulate == 1 else 2
         margin = self.held(c) + self.allowance
-        found: dict = {}
 
         def enough(allocated: int, forward: bool) -> bool:
             return allocated + margin > self.limit or (forward and allocated + margin <= self.limit * self.hopeless)
 
-        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), _stateless,
-                    _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
-                    step=_prefix_step(c, proxy_k, self.loss, found, enough), warmup_steps=0, device=self.device,
-                    card=self.card, breakdown=False)
-        self.predictions += 1
+        for last_only in (True, False):  # accumulation: its last micro-batch alone, unless that cannot tell
+            found = {}
+            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), _stateless,
+                        _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
+                        step=_prefix_step(c, proxy_k, self.loss, found, enough, last_only), warmup_steps=0,
+                        device=self.device, card=self.card, breakdown=False)
+            self.predictions += 1
+            if "shared" not in found:
+                break
         # The CUDA workspaces of the matrix products it ran: a real step, its warm-up's included, runs them too.
         base = found["base"] + p.workspaces - prefix_residual(found)
         known = self.phases.setdefault(key, {})

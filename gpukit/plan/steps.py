@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -15,7 +16,8 @@ from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up
 from ..estimate import distinct_storages, state_bytes, storage_bytes
 from ..factories import fake_model, swappable_fakes
-from ..step import batch_device, first_samples, half_with_float_batchnorm, train_step
+from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
+                    micro_batches, train_step)
 from .candidates import Candidate
 from .facts import LORA_RANK, lora_targets
 
@@ -155,7 +157,8 @@ class _Stop(Exception):
     """Ends a prefix of a step (``_prefix_step``) where its bound is known."""
 
 
-def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough: Callable[[int, bool], bool]):
+def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough: Callable[[int, bool], bool],
+                 last_only: bool = True):
     """The candidate's step as ``_step_for`` runs it, up to its optimizer step (the GradScaler's), never into it,
     for ``predict(..., warmup_steps=0)`` with an optimizer that has no state: a bound of the step's need before its
     optimizer step, for any optimizer, at a fraction of a prediction's cost (no warm-up step, no optimizer step,
@@ -170,11 +173,21 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
     gradient ("every_grad": then every optimizer has state for each, as its floor does). Once ``predict`` has
     returned, ``prefix_residual(found)`` gives "residual".
 
+    Micro-batches (``accumulate`` > 1), with ``last_only``: only the last one runs, as it runs in the step; the
+    gradients the earlier ones leave are made at the end of its forward (``_earlier_gradients``) and counted from
+    its start. The earlier micro-batches allocate what it allocates but those gradients, which it has all along,
+    so its peak is the step's (what the first one makes after its forward and keeps, a GradScaler's scale, is made
+    later here: the bound leaves it out anyway, as the warm-up's); "forward" is its forward's peak without them,
+    the first micro-batch's. Where the gradients it computes show that the ones made are not the first
+    micro-batch's (two in one storage, a sparse one), "shared" says why, and the bound needs ``last_only=False``:
+    every micro-batch run (a model with sparse embeddings runs them all from the start).
+
     Without the warm-up the step has no gradients to free first (``zero_grad``) and no optimizer state: the same
     model, batch and techniques allocate the same, so the predicted step's allocated peak is at least "base" +
     a phase - "residual" + the optimizer's state (+ the CUDA workspaces, left out), and its need at least that."""
     technique = candidate.technique(accumulate)
     loss = candidate_loss(candidate, loss)
+    last_only = last_only and accumulate > 1
 
     def step(model, optimizer, batch):
         tally = FAKE_LEDGER.tallies[-1]
@@ -182,16 +195,34 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         scaler = ScalerThatAlwaysSteps(batch_device(batch).type) if technique.amp is torch.float16 else None
         calls = {"output": 0, "loss": 0}
         first = [True]  # in the first forward (no backward has begun)
+        earlier = [0]  # bytes of the gradients the earlier micro-batches leave (``alone``)
+        handles: list = []
+        # (a sparse gradient, nn.Embedding(sparse=True)'s, is not the dense one made for it)
+        alone = last_only and not any(getattr(m, "sparse", False) is True for m in model.modules()
+                                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
-        def reached(end_of_forward: bool = False, owner_step: bool = False) -> None:
+        def reached(end_of_forward: bool = False, owner_step: bool = False, output=None) -> None:
             FAKE_LEDGER.settle()
             if first[0]:
                 found["forward"] = tally.peak
                 first[0] = not end_of_forward
-            found["backward"] = tally.peak
+                if end_of_forward and alone:
+                    # The first micro-batch's forward ends here (its test: over the budget, or hopeless); then the
+                    # last one's, which had the earlier ones' gradients from its start (over the budget only).
+                    if enough(found["base"] + tally.peak, True):
+                        found["backward"] = tally.peak
+                        raise _Stop
+                    earlier[0], at_least = _earlier_gradients(model, output, found, handles)
+                    # Until backward has shown how they come (two in one storage?), they count for their elements
+                    # alone: whatever storages hold them, no fewer bytes.
+                    found["backward"] = found["forward"] + at_least
+                    if enough(found["base"] + found["backward"], False):
+                        raise _Stop
+                    return
+            found["backward"] = max(tally.peak, found["forward"] + earlier[0])
             if owner_step:
                 found["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
-            if owner_step or enough(found["base"] + tally.peak, end_of_forward):
+            if owner_step or enough(found["base"] + found["backward"], end_of_forward):
                 raise _Stop
 
         def counted(what: str) -> bool:
@@ -200,7 +231,7 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
 
         def measured(*args, **kwargs):
             value = loss(*args, **kwargs)
-            reached(counted("loss"))
+            reached(counted("loss"), output=value)
             return value
 
         def stop(*args, **kwargs):
@@ -214,14 +245,25 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         # and it would count as what outlives the step.
         hooks = [m.register_forward_hook(lambda *_: reached()) for m in model.modules() if m is not model]
         # The first forward ends with its loss (train_step's own after the model's output, where loss is None).
-        hooks.append(model.register_forward_hook(lambda *_: reached(counted("output") and loss is None)))
+        hooks.append(model.register_forward_hook(
+            lambda module, args, output: reached(counted("output") and loss is None, output=output)))
+        user_loss = measured if loss is not None else None
         try:
             with _offload() if candidate.offload else contextlib.nullcontext():  # as _step_for's
-                train_step(model, optimizer, batch, technique, scaler, loss=measured if loss is not None else None)
+                if alone:  # train_step's own parts, its last micro-batch alone
+                    parts = micro_batches(batch, accumulate, user_loss)
+                    optimizer.zero_grad(set_to_none=True)
+                    kept = micro_backward(model, parts[-1], technique, scaler, user_loss)  # noqa: F841 (as train_step)
+                    if scaler is not None:
+                        scaler.step(optimizer)
+                    else:
+                        optimizer.step()
+                else:
+                    train_step(model, optimizer, batch, technique, scaler, loss=user_loss)
         except _Stop:
             pass
         finally:
-            for hook in hooks:
+            for hook in hooks + handles:
                 hook.remove()
         # What outlives the step (read once predict has stopped its tally, after its role tracker has let go of
         # the graph of a step stopped in its forward): the scaler is kept for it, as a real step's is kept.
@@ -229,6 +271,53 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         found["grads"] = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
     return step
+
+
+def _earlier_gradients(model: nn.Module, output, found: dict, handles: list) -> tuple[int, int]:
+    """At the end of the last micro-batch's forward, run alone (``_prefix_step``): the gradients the earlier
+    micro-batches would have left, made now, and their bytes. A micro-batch gives a gradient to each trained
+    parameter its graph reaches (an ``AccumulateGrad`` node); the first one's becomes ``.grad`` (taken over, or
+    copied in the parameter's layout: torch/csrc/autograd/functions/accumulate_grad.h), later ones add into it
+    in place, so a dense gradient of the parameter's layout (``zeros_like``) is what the first left, unless
+    two parameters' gradients come in one storage (both taken over: one storage where these are two) or a
+    gradient is sparse: each gradient the micro-batch computes is looked at, and such a case is named in
+    ``found["shared"]``. Before the end of the forward they were already there: the caller adds their bytes to
+    the forward's peak. Returns their bytes (rounded storages), and their elements' bytes: what they take at
+    least in any storages, before backward has shown how they come (a backward that gave two parameters the
+    same memory as gradients, each adding into the other's, aside)."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    keep, stack = [], [t.grad_fn for t in batch_tensors(output) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)  # (ids stay unique during the walk)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    del keep
+    storages: dict[int, weakref.ref] = {}
+
+    def look(grad):
+        if grad.layout is not torch.strided:
+            found.setdefault("shared", "a sparse gradient")
+            return
+        st = grad.untyped_storage()
+        ref = storages.get(id(st))
+        if ref is not None and ref() is st:
+            found.setdefault("shared", "two parameters' gradients in one storage")
+        storages[id(st)] = weakref.ref(st)
+
+    made = []
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None and id(p) in reached:
+            p.grad = torch.zeros_like(p)
+            made.append(p.grad)
+            handles.append(p.register_hook(look))
+    return storage_bytes(made), sum(g.numel() * g.element_size() for g in made)
 
 
 def prefix_residual(found: dict) -> int:
