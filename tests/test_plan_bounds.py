@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -208,6 +209,38 @@ def test_an_accumulated_prefix_run_by_its_last_micro_batch_is_the_whole_ones(nam
         assert phases["forward"] == whole["forward"], key
         allowed = 1024 if key[0] == "fp16" else 0
         assert whole["backward"] - allowed <= phases["backward"] <= whole["backward"], (key, phases, whole)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_copies_read_from_a_prefix_are_at_most_offloads_own(name):
+    """Device: none (CUDA's rules). A prefix stopped before backward reads what its forward saved so far; the
+    configuration with offload copies each saved tensor to the host and back, so twice that (per micro-batch) is
+    a lower bound of its copies, which queues it at a cost it has at least: at the end of the forward and in its
+    middle, never above the copies counted under offload. At the end of the forward of a loss the model computes,
+    only the saved 0-dimensional tensors are not read: within 1%."""
+    make_case, loss, precisions = CASES[name]
+    case = make_case()
+    options = dict(precisions=precisions, offload=True, loss=None if loss is None else resolve_loss(loss),
+                   accumulate=[1, 2, 4], checkpointing=False)
+    exhaustive = search_for(case, "cuda", **options)
+    plain = max(exhaustive.evaluate(c).need for c in exhaustive.candidates() if c.label == "plain")
+    offloaded = [c for c in exhaustive.candidates() if c.offload and c.optimizer == "yours: AdamW"]
+    assert len(offloaded) == 3 * len(precisions)
+    for fraction in (10.0, 0.4):  # the end of the forward (hopeless); its middle, over the budget
+        search = search_for(case, "cuda", limit=int(plain * fraction), **options)
+        bounded = 0
+        for c in offloaded:
+            search.prefix(replace(c, offload=False))
+            low, copies = search.copies_at_least(c), exhaustive.copy_bytes(c)
+            if fraction == 10.0:
+                assert low is not None
+            if low is not None:
+                bounded += 1
+                assert 0 < low <= copies, (fraction, c, low, copies)
+                if fraction == 10.0 and loss is not None:
+                    assert low >= 0.99 * copies, (c, low, copies)
+        assert bounded
 
 
 class _OneStorage(torch.autograd.Function):

@@ -174,7 +174,8 @@ def _head_flops(model: nn.Module, batch) -> tuple[int, int]:
 
 def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str]]:
     """The other implementations of an optimizer's step (for-loop, fused) that its class offers and the device
-    does not already use: ``(label, make_optimizer, note)``."""
+    does not already use: ``(label, make_optimizer, note, same_state)``; ``same_state``: the for-loop step, whose
+    state is the one the optimizer's own step makes (both make it in ``_init_group``: torch/optim/adam.py)."""
     probe = probe_optimizer(make_optimizer)
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
@@ -200,7 +201,7 @@ def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str,
 
         return make
 
-    return [(name, variant(changes), note) for name, changes, note in found]
+    return [(name, variant(changes), note, changes == {"foreach": False}) for name, changes, note in found]
 
 
 def probe_optimizer(make_optimizer) -> torch.optim.Optimizer:

@@ -98,6 +98,7 @@ class _Search:
         self.rank_batch = b // gpus
         user = _optimizer_name(make_optimizer)
         self.optimizers: dict[str, tuple[Callable, str, int]] = {f"yours: {user}": (make_optimizer, "", SAME)}
+        self.same_state: dict[str, str] = {}  # an optimizer -> the one whose state_info is its own (for-loop step)
         for name, make in (optimizers or {}).items():
             if not callable(make):
                 raise TypeError(f"optimizers[{name!r}] must build an optimizer from parameters "
@@ -105,9 +106,11 @@ class _Search:
             self.optimizers[name] = (make, f"{_optimizer_name(make)} instead of {user}", TRAINING)
         if implementations:
             for name, (make, note, rank) in list(self.optimizers.items()):
-                for vname, vmake, vnote in _implementations(name, make, device):
+                for vname, vmake, vnote, same_state in _implementations(name, make, device):
                     self.optimizers[vname] = (vmake, "; ".join(filter(None, [note, vnote])),
                                               max(rank, ROUNDING if "fused" in vname else SAME))
+                    if same_state:
+                        self.same_state[vname] = name
             # Yours with 8-bit moments (bitsandbytes), and yours and that one stepped in backward.
             stepped = [f"yours: {user}"]
             eight = _eight_bit(make_optimizer)
@@ -150,6 +153,7 @@ class _Search:
         self.hopeless = 0.5  # a prefix whose forward needs less than this share of the budget ends there
         self.rows: dict[Candidate, Row] = {}
         self.copies: dict[tuple, int] = {}
+        self.saved: dict[tuple, int] = {}  # a configuration -> its prefix's saved_bytes (a micro-batch's forward)
         self.found: list[Candidate] = []
 
     # figures -------------------------------------------------------------------------------------------------
@@ -285,6 +289,9 @@ class _Search:
         key = (c.optimizer, WEIGHTS[c.precision], c.lora)
         if key in self.floors:
             return self.floors[key]
+        if c.optimizer in self.same_state:  # (its floor's peak is its own; its state is the other's)
+            key = (self.same_state[c.optimizer], WEIGHTS[c.precision], c.lora)
+            c = replace(c, optimizer=self.same_state[c.optimizer])
         if key not in self.states and c.optimizer in self.host:
             self.states[key] = host.state_info(self, c)
         if key not in self.states:
@@ -365,7 +372,7 @@ class _Search:
         p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
                     _slice_batch(self.make_batch, n, self.facts.batch_size),
                     step=_step_for(c, proxy_k, copies, self.loss, phases),
-                    device=self.device, card=self.card)
+                    device=self.device, card=self.card, breakdown=False)  # (a row is bytes: no roles read)
         self.predictions += 1
         self.learn_phases(c, p, phases)
         held = self.held(c)  # the full batch held
@@ -440,6 +447,8 @@ class _Search:
             known[FREED] = max(known.get(FREED, value), value)
         if found.get("every_grad"):
             self.every_grad.add(key)
+        if "saved" in found:
+            self.saved[key] = found["saved"]
 
     def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
@@ -464,12 +473,14 @@ class _Search:
 
     def run(self) -> list[Row]:
         todo = self.candidates()
-        heap = [(self.key(c, None if c.offload else 0), i, c, not c.offload) for i, c in enumerate(todo)]
+        # Offload's copies: unknown (costed as none), at least a bound (copies_at_least), or exact (copy_bytes).
+        heap = [(self.key(c, None if c.offload else 0), i, c, "unknown" if c.offload else "exact")
+                for i, c in enumerate(todo)]
         heapq.heapify(heap)
         probed: dict[tuple, bool] = {}
         fitting: list[Candidate] = []
         while heap:
-            key, i, c, exact = heapq.heappop(heap)
+            key, i, c, copies = heapq.heappop(heap)
             if len(fitting) > self.alternatives:
                 self.pruned(c, "costlier than the recipes found", None)
                 continue
@@ -481,8 +492,12 @@ class _Search:
             if bound is not None and bound > self.limit:
                 self.pruned(c, f"its forward and backward alone need {format_bytes(bound)}", bound=bound)
                 continue
-            if not exact:  # offload: count its copies (a forward under fake tensors), then queue it at its cost
-                heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, True))
+            if copies != "exact":  # offload: its copies counted (a forward under fake tensors), queued at its cost
+                low = self.copies_at_least(c) if copies == "unknown" else None
+                if low is not None:  # queued at a cost it has at least, counted if it comes back before a recipe
+                    heapq.heappush(heap, (self.key(c, low), i, c, "bound"))
+                else:
+                    heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, "exact"))
                 continue
             if self.host_memory is not None and host.host_bound(self, c) > self.host_memory:
                 self.pruned(c, f"its copies on the host alone need {format_bytes(host.host_bound(self, c))}, more "
@@ -569,6 +584,13 @@ class _Search:
                     micro_loss(model, batch, replace(c.technique(1), offload=False), candidate_loss(c, self.loss))
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]
+
+    def copies_at_least(self, c: Candidate) -> int | None:
+        """A lower bound of ``copy_bytes(c)`` from the prefix of its configuration without offload, where it ran
+        the same forward and read what it saved (``steps.saved_bytes``; so far, where it stopped in the forward);
+        else None."""
+        saved = self.saved.get(self.configuration(replace(c, offload=False)))
+        return None if saved is None else 2 * saved * c.accumulate
 
     def slow_dtype(self, c: Candidate) -> bool:
         """bfloat16 on a card without bfloat16 tensor cores: after float16 where the estimate counts them alike."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._torch import ScalerThatAlwaysSteps, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
-from ..counter import FAKE_LEDGER, round_up
+from ..counter import FAKE_LEDGER, _saved_tensors, round_up
 from ..estimate import distinct_storages, state_bytes, storage_bytes
 from ..factories import fake_model, swappable_fakes
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
@@ -171,7 +171,9 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
     the step made that outlives it (a cache a module keeps), gradients aside: a real step finds it made by its
     warm-up and does not count it; and, where it got to the optimizer step, whether every trained parameter has a
     gradient ("every_grad": then every optimizer has state for each, as its floor does). Once ``predict`` has
-    returned, ``prefix_residual(found)`` gives "residual".
+    returned, ``prefix_residual(found)`` gives "residual". Stopped before backward, neither offloaded nor
+    checkpointed: "saved", ``saved_bytes`` of the output where it stopped (its first forward's saved tensors, or
+    those so far: a lower bound of what the configuration with offload copies, over two).
 
     Micro-batches (``accumulate`` > 1), with ``last_only``: only the last one runs, as it runs in the step; the
     gradients the earlier ones leave are made at the end of its forward (``_earlier_gradients``) and counted from
@@ -211,19 +213,25 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
                     # last one's, which had the earlier ones' gradients from its start (over the budget only).
                     if enough(found["base"] + tally.peak, True):
                         found["backward"] = tally.peak
-                        raise _Stop
+                        stopped(output)
                     earlier[0], at_least = _earlier_gradients(model, output, found, handles)
                     # Until backward has shown how they come (two in one storage?), they count for their elements
                     # alone: whatever storages hold them, no fewer bytes.
                     found["backward"] = found["forward"] + at_least
                     if enough(found["base"] + found["backward"], False):
-                        raise _Stop
+                        stopped(output)
                     return
             found["backward"] = max(tally.peak, found["forward"] + earlier[0])
             if owner_step:
                 found["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
-            if owner_step or enough(found["base"] + found["backward"], end_of_forward):
                 raise _Stop
+            if enough(found["base"] + found["backward"], end_of_forward):
+                stopped(output)
+
+        def stopped(output) -> None:
+            if not (candidate.offload or candidate.checkpointed) and output is not None:
+                found["saved"] = saved_bytes(output)  # (read last: see saved_bytes)
+            raise _Stop
 
         def counted(what: str) -> bool:
             calls[what] += 1
@@ -243,7 +251,8 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
         # Where the bytes so far are read, besides the ends of forwards: after each module's forward (hooks that
         # allocate nothing). Not in backward: a step stopped there leaves its graph held until the prediction ends,
         # and it would count as what outlives the step.
-        hooks = [m.register_forward_hook(lambda *_: reached()) for m in model.modules() if m is not model]
+        hooks = [m.register_forward_hook(lambda module, args, output: reached(output=output))
+                 for m in model.modules() if m is not model]
         # The first forward ends with its loss (train_step's own after the model's output, where loss is None).
         hooks.append(model.register_forward_hook(
             lambda module, args, output: reached(counted("output") and loss is None, output=output)))
@@ -318,6 +327,17 @@ def _earlier_gradients(model: nn.Module, output, found: dict, handles: list) -> 
             made.append(p.grad)
             handles.append(p.register_hook(look))
     return storage_bytes(made), sum(g.numel() * g.element_size() for g in made)
+
+
+def saved_bytes(output) -> int:
+    """Bytes of the tensors the autograd graph of ``output`` (a tensor, or any structure of them) saved for
+    backward, each saved tensor once per saving, as a saved-tensor hook sees them (``save_on_cpu`` copies each
+    to the host and back: twice these bytes), 0-dimensional ones aside (a Python number an op saves is one, and
+    the hooks never see it): at most what such a hook sees in the same forward. Read from the graph (``_saved_*``), which
+    unpacks them: a saved-tensor hook of the model's own (its checkpointing) would run its unpacking, which can
+    recompute and allocate; read it where the step ends."""
+    roots = [t.grad_fn for t in batch_tensors(output) if t.grad_fn is not None]
+    return sum(t.numel() * t.element_size() for t in _saved_tensors(roots) if t.dim() > 0)
 
 
 def prefix_residual(found: dict) -> int:
