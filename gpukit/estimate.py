@@ -195,9 +195,10 @@ def predict(make_model: Callable[[], nn.Module],
     kind = torch.device(device or ("cuda" if card is not None else "cpu")).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")
-    # Garbage fake tensors (of an earlier prediction, say) would be placed in the simulated device when it
-    # attaches and stay in its reserved memory as cache: the collector runs first where fake storages live
-    # on. A prediction frees its own garbage before it returns, so after one there are usually none.
+    # Garbage fake tensors (of an earlier prediction, say) freed in the step would count as its frees: the
+    # collector runs first where the fake ledger knows storages that live on (a prediction frees its own garbage
+    # before it returns, so after one there are usually none). Its simulated GPU places nothing that existed
+    # before it (follow(fresh=True)): garbage in a reference cycle, which only a full collection would find.
     FAKE_LEDGER.settle()
     with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
         prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
@@ -215,7 +216,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         rules = contextlib.nullcontext()
     # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
-            follow(FAKE_LEDGER) as simulated:
+            follow(FAKE_LEDGER, fresh=True) as simulated:
         # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
         # converts afresh: a new storage counted per use. Copies stay in this mode, as on a real device.

@@ -346,7 +346,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
     with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             cuda_stand_ins(), _fused_on_the_simulated_device(), \
             _CardAttentionOnTheSimulatedDevice(rules.capability), rules, \
-            follow(FAKE_LEDGER, only=SIMULATED_DEVICE) as simulated:
+            follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
         model = optimizer = batch = None

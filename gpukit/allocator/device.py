@@ -86,7 +86,9 @@ class SimulatedDevice:
             self.ledger.settle()  # frees of storages that died since the counter last did its books
         self.flush()
 
-    def attach(self, ledger) -> "SimulatedDevice":
+    def attach(self, ledger, place: bool = True) -> "SimulatedDevice":
+        """Follow ``ledger`` from now on; ``place``: the storages it already knows are placed first (else they are
+        left out, and so are their frees)."""
         if ledger.listener is not None and ledger.listener is not self:
             raise RuntimeError("this counter already drives another simulated device; detach it first")
         self.flush()
@@ -94,7 +96,7 @@ class SimulatedDevice:
         ledger.listener = self
         self.ledger = ledger
         self._lock = ledger._lock
-        for key, nbytes in list(ledger.sizes.items()):
+        for key, nbytes in list(ledger.sizes.items()) if place else ():
             if key not in self.addr and self.only in (None, ledger.labels.get(key)):
                 self.on_alloc(key, nbytes, False)
         return self
@@ -488,16 +490,30 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
 class follow:
     """``with follow(ledger) as device:``: a simulated GPU that follows every allocation and free the
     ledger sees during the block (its counting is on throughout), recording them in ``device.events``.
-    ``predict()`` runs under ``follow(FAKE_LEDGER)`` to give reserved memory at the peak; ``only="meta"``: the
-    storages of the fake tensors on ``meta`` alone (``predict_offload``'s simulated GPU, beside its host)."""
+    ``predict()`` runs under ``follow(FAKE_LEDGER, fresh=True)`` to give reserved memory at the peak; ``only="meta"``:
+    the storages of the fake tensors on ``meta`` alone (``predict_offload``'s simulated GPU, beside its host).
+    ``fresh``: the storages that exist when the block begins are left out (a prediction's GPU runs its step alone).
+    """
 
     def __init__(self, ledger, total_memory: int | str = 2**60,
-                 config: str | AllocatorConfig | None = None, *, only: str | None = None) -> None:
+                 config: str | AllocatorConfig | None = None, *, only: str | None = None,
+                 fresh: bool = False) -> None:
         # no capacity by default: what a run would reserve, whatever its size (will_it_fit replays it per GPU)
         self.ledger = ledger
         self.device = SimulatedDevice(total_memory, config, record_events=True, only=only)
+        self.fresh = fresh
 
     def __enter__(self) -> SimulatedDevice:
+        if self.fresh:
+            # A device of its own run alone: what exists when the block begins (fake tensors of other work, garbage
+            # held by a reference cycle until the collector runs) is found before the device listens, never placed.
+            self._tally = self.ledger.start()
+            try:
+                self.device.attach(self.ledger, place=False)
+            except BaseException:
+                self.ledger.stop(self._tally)
+                raise
+            return self.device
         self.device.attach(self.ledger)
         try:
             self._tally = self.ledger.start()
