@@ -25,8 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._torch import (DataDependentOutputException, FakeTensor, FakeTensorMode, TorchDispatchMode,
+from ._torch import (SUPPORTED_NODES, DataDependentOutputException, FakeTensor, FakeTensorMode, TorchDispatchMode,
                      _disable_current_modes, active_fake_mode, tree_flatten)
+from .fakecheck import GENUINE_FLOATS_LIMIT
 
 
 def check_factory(value: Any, name: str, example: str, builds: str = "one") -> None:
@@ -118,7 +119,8 @@ class ValuesWhileBuilding(TorchDispatchMode):
     floating-point one ``1.0`` (a scale read from the weights divides nothing by zero). An integer can size a
     tensor: it reads ``1`` and is listed in ``made_up`` (the prediction names it), as the memory may then
     differ from a real run's. Values a fake tensor does hold (a constant, a small tensor followed by
-    ``FakeKernelCheck``) are read as they are.
+    ``FakeKernelCheck``) are read as they are. Filling a fake tensor whose values nothing follows (``_FILLS``:
+    the initialisers' normal_, uniform_, zero_ and fill_) is skipped: it would change nothing.
     """
 
     MADE_UP = {"bool": False, "float": 1.0, "int": 1}
@@ -128,6 +130,8 @@ class ValuesWhileBuilding(TorchDispatchMode):
         self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _FILLS and _valueless(args[0]):
+            return args[0]
         try:
             return func(*args, **(kwargs or {}))
         except DataDependentOutputException:
@@ -138,6 +142,19 @@ class ValuesWhileBuilding(TorchDispatchMode):
                     "float" if t.is_floating_point() or t.is_complex() else "int")
             self.made_up[kind] = self.made_up.get(kind, 0) + 1
             return self.MADE_UP[kind]
+
+
+# Initialisers that fill a tensor in place (normal_, uniform_, zeros, a constant): they allocate nothing and change
+# no size, and on a fake tensor they change nothing at all. ``ValuesWhileBuilding`` returns the tensor as it is,
+# without the dispatch through every mode a prediction stacks (half the ops that building a transformer runs).
+_FILLS = frozenset({torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default, torch.ops.aten.zero_.default,
+                    torch.ops.aten.fill_.Scalar})
+
+
+def _valueless(t) -> bool:
+    """A fake floating-point tensor too big for ``FakeKernelCheck`` to follow its values (their filling would
+    matter there): nothing reads what it holds."""
+    return isinstance(t, FakeTensor) and t.is_floating_point() and t.numel() > GENUINE_FLOATS_LIMIT
 
 
 _SWAPPING = threading.RLock()
@@ -208,10 +225,23 @@ def _tensors(model: nn.Module) -> dict[int, torch.Tensor]:
     lists and dicts too), by id."""
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for leaf in tree_flatten(list(vars(module).values()))[0]:
-            if isinstance(leaf, torch.Tensor):
-                found.setdefault(id(leaf), leaf)
+        for value in vars(module).values():
+            _visit(value, found)
     return found
+
+
+def _visit(value, found: dict[int, torch.Tensor]) -> None:
+    """The tensors ``tree_flatten(value)`` reaches, into ``found``, without its bookkeeping for every leaf (a
+    module's attributes have hundreds). (Not a closure: a nested function that calls itself is a reference cycle,
+    which would keep ``found`` and its tensors alive until the next collection.)"""
+    if isinstance(value, torch.Tensor):
+        found.setdefault(id(value), value)
+    elif type(value) in (dict, list, tuple):
+        for v in (value.values() if type(value) is dict else value):
+            _visit(v, found)
+    elif type(value) in SUPPORTED_NODES or isinstance(value, tuple) and hasattr(value, "_fields"):
+        for leaf in tree_flatten(value)[0]:  # (an OrderedDict, a named tuple...)
+            _visit(leaf, found)
 
 
 def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
