@@ -65,7 +65,8 @@ check_version()
 # --- the dispatcher: counting modes, fake tensors, pytrees ------------------------------------------------
 try:
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
+    from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                              _get_current_dispatch_mode_stack, is_traceable_wrapper_subclass)
     from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map_only, tree_unflatten
 except ImportError as err:  # a module moved or a name went away
     raise UnsupportedTorch(f"torch {torch.__version__}: {err}; gpukit was checked on torch "
@@ -419,7 +420,8 @@ def reset_dispatch_mode_flags() -> None:
 
 __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "DataDependentOutputException",
            "FakeTensor", "FakeTensorMode", "MemTracker", "MemTrackerThatLetsGo", "ModTrackerThatLetsGo", "StepTracker", "_TOTAL_KEY", "_MemRefType", "_ModState",
-           "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass", "tree_flatten",
+           "TorchDispatchMode", "_disable_current_modes", "_get_current_dispatch_mode_stack",
+           "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "SUPPORTED_NODES", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
            "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
            "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags"]

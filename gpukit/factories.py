@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ._torch import (SUPPORTED_NODES, DataDependentOutputException, FakeTensor, FakeTensorMode, TorchDispatchMode,
-                     _disable_current_modes, active_fake_mode, tree_flatten)
+                     _disable_current_modes, _get_current_dispatch_mode_stack, active_fake_mode, tree_flatten)
 from .fakecheck import GENUINE_FLOATS_LIMIT
 
 
@@ -157,6 +157,11 @@ def _valueless(t) -> bool:
     return isinstance(t, FakeTensor) and t.is_floating_point() and t.numel() > GENUINE_FLOATS_LIMIT
 
 
+def building() -> bool:
+    """Whether a ``ValuesWhileBuilding`` is in force on this thread."""
+    return any(isinstance(m, ValuesWhileBuilding) for m in _get_current_dispatch_mode_stack())
+
+
 _SWAPPING = threading.RLock()
 
 
@@ -194,8 +199,11 @@ def swappable_fakes(mode: FakeTensorMode | None):
 def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding | None = None) -> nn.Module:
     """``make_model()`` under the fake mode in force; where that returns a model holding real tensors (one that
     already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself.
-    ``values``: a ``ValuesWhileBuilding`` to build under, for initialisers that read values."""
+    ``values``: a ``ValuesWhileBuilding`` to build under, for initialisers that read values (where none is given
+    and none is in force, a new one)."""
     mode = active_fake_mode()
+    if values is None and mode is not None and not building():
+        values = ValuesWhileBuilding()  # (the planner's bounds build models too: a ViT's trunc_normal_ reads values)
     with swappable_fakes(mode), (values if values is not None else contextlib.nullcontext()):
         model = make_model()
     if mode is None or not isinstance(model, nn.Module) or not real_tensors(model):

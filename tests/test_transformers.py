@@ -134,6 +134,21 @@ def test_a_causal_lm_is_planned_without_a_wrapper_and_its_recipe_runs_as_printed
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters()))
 
 
+def test_a_vision_transformer_whose_initialiser_reads_values_is_planned_and_its_choice_measured():
+    """A ViT's weights are drawn with trunc_normal_, which reads values while the model is built; every model the
+    planner builds under fake tensors (its facts, each bound and prediction, the optimizer states) makes them up
+    as predict() does (it once stopped at the first: DataDependentOutputException). Its choice under a budget the
+    plain step misses, run for real under the budget on the CPU, has the predicted peak."""
+    batch = image_batch()
+    unlimited = gpukit.plan(vit, torch.optim.AdamW, lambda: batch, budget="100GB", device="cpu", loss="model",
+                            verify=False, alternatives=0)
+    plain = unlimited.choice.peak
+    p = gpukit.plan(vit, torch.optim.AdamW, lambda: batch, budget=int(0.9 * plain), device="cpu", loss="model",
+                    alternatives=0, implementations=False)
+    v = p.verification
+    assert v.ran and v.fitted and v.measured_peak == p.choice.peak < 0.9 * plain
+
+
 def test_a_dict_batch_without_a_loss_is_refused_saying_what_to_pass():
     with pytest.raises(ValueError, match=r"loss='model'"):
         gpukit.plan(llama, torch.optim.AdamW, text_batch, budget="1GB", device="cpu")

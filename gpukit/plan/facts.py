@@ -84,7 +84,8 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        model = make_model()
+        with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
+            model = make_model()
         existing = bool(real_tensors(model))
         if existing:  # the user's own model (lambda: model): read through a fake copy, never run itself
             model = fake_copy(model, fake_mode)
