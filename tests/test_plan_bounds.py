@@ -307,7 +307,8 @@ def test_an_accumulated_prefix_whose_gradients_share_a_storage_runs_every_micro_
 def test_the_state_without_a_floor_is_the_floors(name):
     """Device: none. The figures a search takes from one optimizer step outside predict() (parameters, gradients,
     optimizer state) are the floor's, to the byte, for every optimizer (8-bit and stepped in backward included) and
-    parameter type; and what that step starts with is below the floor's peak."""
+    parameter type; and what that step starts with is below the floor's peak. A fused step's state is at least
+    its foreach step's."""
     make_case, loss, precisions = CASES[name]
     case = make_case()
     options = dict(precisions=precisions, loss=None if loss is None else resolve_loss(loss))
@@ -324,6 +325,13 @@ def test_the_state_without_a_floor_is_the_floors(name):
                 {k: floor[k] for k in ("params", "grads", "optimizer_state", "state")}, (device, c)
             assert info["before"] <= floor["peak"]
         assert cheap.predictions == 0 and len(seen) >= 8
+        # A fused step holds at least its foreach step's state (the bound that prunes it before its own is made).
+        if device == "cuda":
+            assert cheap.state_above
+        for fused, base in cheap.state_above.items():
+            for c in cheap.candidates():
+                if c.optimizer == fused:
+                    assert cheap.state_info(c)["state"] >= cheap.state_info(replace(c, optimizer=base))["state"] > 0
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -173,10 +173,12 @@ def _head_flops(model: nn.Module, batch) -> tuple[int, int]:
 # -- optimizers --------------------------------------------------------------------------------------------------
 
 
-def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str]]:
+def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str, str]]:
     """The other implementations of an optimizer's step (for-loop, fused) that its class offers and the device
-    does not already use: ``(label, make_optimizer, note, same_state)``; ``same_state``: the for-loop step, whose
-    state is the one the optimizer's own step makes (both make it in ``_init_group``: torch/optim/adam.py)."""
+    does not already use: ``(label, make_optimizer, note, state)``; ``state``: how its state compares with the
+    optimizer's own step's: "same" for the for-loop step (both make it in ``_init_group``: torch/optim/adam.py),
+    "more" for the fused one (the same tensors, its ``step`` counters on the device: ``_init_group``'s
+    ``fused`` branch)."""
     probe = probe_optimizer(make_optimizer)
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
@@ -202,7 +204,8 @@ def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str,
 
         return make
 
-    return [(name, variant(changes), note, changes == {"foreach": False}) for name, changes, note in found]
+    return [(name, variant(changes), note, "same" if changes == {"foreach": False} else "more")
+            for name, changes, note in found]
 
 
 def probe_optimizer(make_optimizer) -> torch.optim.Optimizer:

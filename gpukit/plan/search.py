@@ -99,6 +99,7 @@ class _Search:
         user = _optimizer_name(make_optimizer)
         self.optimizers: dict[str, tuple[Callable, str, int]] = {f"yours: {user}": (make_optimizer, "", SAME)}
         self.same_state: dict[str, str] = {}  # an optimizer -> the one whose state_info is its own (for-loop step)
+        self.state_above: dict[str, str] = {}  # an optimizer -> one whose state it holds at least (fused step)
         for name, make in (optimizers or {}).items():
             if not callable(make):
                 raise TypeError(f"optimizers[{name!r}] must build an optimizer from parameters "
@@ -106,11 +107,10 @@ class _Search:
             self.optimizers[name] = (make, f"{_optimizer_name(make)} instead of {user}", TRAINING)
         if implementations:
             for name, (make, note, rank) in list(self.optimizers.items()):
-                for vname, vmake, vnote, same_state in _implementations(name, make, device):
+                for vname, vmake, vnote, state in _implementations(name, make, device):
                     self.optimizers[vname] = (vmake, "; ".join(filter(None, [note, vnote])),
                                               max(rank, ROUNDING if "fused" in vname else SAME))
-                    if same_state:
-                        self.same_state[vname] = name
+                    (self.same_state if state == "same" else self.state_above)[vname] = name
             # Yours with 8-bit moments (bitsandbytes), and yours and that one stepped in backward.
             stepped = [f"yours: {user}"]
             eight = _eight_bit(make_optimizer)
@@ -508,6 +508,15 @@ class _Search:
                 bound = self.phase_bound(c, floor=False)
                 if bound is not None and bound > self.limit:
                     self.pruned(c, f"its forward and backward alone need {format_bytes(bound)}", bound=bound)
+                    continue
+            below = self.state_above.get(c.optimizer)
+            if below is not None and c.strategy in ("single GPU", "DDP"):
+                # With the state of an optimizer whose state it holds at least, before its own is made (its floor's
+                # peak is its own: a fused step's temporaries are not the foreach step's).
+                bound = self.phase_bound(replace(c, optimizer=below))
+                if bound is not None and bound > self.limit:
+                    self.pruned(c, f"its forward and backward with its optimizer's state need at least "
+                                   f"{format_bytes(bound)}", bound=bound)
                     continue
             lower = self.lower_bound(c)
             if lower > self.limit:
