@@ -118,15 +118,21 @@ def test_transformers_own_checkpointing_keeps_what_gpukits_keeps():
     assert peaks[0] == peaks[1]
 
 
-def test_a_causal_lm_is_planned_without_a_wrapper_and_its_recipe_runs_as_printed():
-    batch = text_batch()
-    unlimited = gpukit.plan(llama, torch.optim.AdamW, lambda: batch, budget="100GB", device="cpu", loss="model",
+def planned_below(make, batch, fraction: float, alternatives: int):
+    """The plain step's peak, and the plan on the CPU under ``fraction`` of it (its choice run for real)."""
+    unlimited = gpukit.plan(make, torch.optim.AdamW, lambda: batch, budget="100GB", device="cpu", loss="model",
                             verify=False, alternatives=0)
     plain = unlimited.choice.peak
-    p = gpukit.plan(llama, torch.optim.AdamW, lambda: batch, budget=int(0.85 * plain), device="cpu", loss="model",
-                    alternatives=1, implementations=False)
+    p = gpukit.plan(make, torch.optim.AdamW, lambda: batch, budget=int(fraction * plain), device="cpu", loss="model",
+                    alternatives=alternatives, implementations=False)
     v = p.verification
-    assert v.ran and v.fitted and v.measured_peak == p.choice.peak < 0.85 * plain
+    assert v.ran and v.fitted and v.measured_peak == p.choice.peak < fraction * plain
+    return plain, p
+
+
+def test_a_causal_lm_is_planned_without_a_wrapper_and_its_recipe_runs_as_printed():
+    batch = text_batch()
+    _, p = planned_below(llama, batch, 0.85, alternatives=1)
     assert "model(**micro).loss" in p.code and "F.cross_entropy" not in p.code.split("for batch")[1]
     scope = {"make_model": llama, "loader": [copy.deepcopy(batch), copy.deepcopy(batch)]}
     exec(p.code, scope)
@@ -139,14 +145,7 @@ def test_a_vision_transformer_whose_initialiser_reads_values_is_planned_and_its_
     planner builds under fake tensors (its facts, each bound and prediction, the optimizer states) makes them up
     as predict() does (it once stopped at the first: DataDependentOutputException). Its choice under a budget the
     plain step misses, run for real under the budget on the CPU, has the predicted peak."""
-    batch = image_batch()
-    unlimited = gpukit.plan(vit, torch.optim.AdamW, lambda: batch, budget="100GB", device="cpu", loss="model",
-                            verify=False, alternatives=0)
-    plain = unlimited.choice.peak
-    p = gpukit.plan(vit, torch.optim.AdamW, lambda: batch, budget=int(0.9 * plain), device="cpu", loss="model",
-                    alternatives=0, implementations=False)
-    v = p.verification
-    assert v.ran and v.fitted and v.measured_peak == p.choice.peak < 0.9 * plain
+    planned_below(vit, image_batch(), 0.9, alternatives=0)
 
 
 def test_a_dict_batch_without_a_loss_is_refused_saying_what_to_pass():
