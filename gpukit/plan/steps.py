@@ -333,9 +333,9 @@ def saved_bytes(output) -> int:
     """Bytes of the tensors the autograd graph of ``output`` (a tensor, or any structure of them) saved for
     backward, each saved tensor once per saving, as a saved-tensor hook sees them (``save_on_cpu`` copies each
     to the host and back: twice these bytes), 0-dimensional ones aside (a Python number an op saves is one, and
-    the hooks never see it): at most what such a hook sees in the same forward. Read from the graph (``_saved_*``), which
-    unpacks them: a saved-tensor hook of the model's own (its checkpointing) would run its unpacking, which can
-    recompute and allocate; read it where the step ends."""
+    the hooks never see it): at most what such a hook sees in the same forward. Read from the graph
+    (``_saved_*``), which unpacks them: a saved-tensor hook of the model's own (its checkpointing) would run its
+    unpacking, which can recompute and allocate; read it where the step ends."""
     roots = [t.grad_fn for t in batch_tensors(output) if t.grad_fn is not None]
     return sum(t.numel() * t.element_size() for t in _saved_tensors(roots) if t.dim() > 0)
 
