@@ -185,7 +185,7 @@ def prefix_phases(search: _Search, candidates, last_only: bool, monkeypatch) -> 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name", list(CASES))
 def test_an_accumulated_prefix_run_by_its_last_micro_batch_is_the_whole_ones(name, monkeypatch):
-    """Device: none (CUDA's rules). Accumulating 2 or 4 micro-batches (checkpointed, offloaded, float16 with its
+    """Device: none (CUDA's rules). Accumulating 2 micro-batches (checkpointed, offloaded, float16 with its
     GradScaler, bfloat16 weights), the prefix that runs only the last micro-batch, with the gradients the earlier
     ones leave made at the end of its forward, gives the phases of the prefix that runs them all, to the byte:
     the same first forward, the same peak up to the optimizer step, the same parameters with a gradient. One
@@ -195,14 +195,14 @@ def test_an_accumulated_prefix_run_by_its_last_micro_batch_is_the_whole_ones(nam
     bytes, never higher."""
     make_case, loss, precisions = CASES[name]
     options = dict(precisions=precisions, offload=True, loss=None if loss is None else resolve_loss(loss),
-                   accumulate=[1, 2, 4])
+                   accumulate=[1, 2])
     found = {}
     for last_only in (True, False):
         search = search_for(make_case(), "cuda", **options)
         search.hopeless = 0.0  # every prefix runs to the optimizer step
         found[last_only] = prefix_phases(search, [c for c in search.candidates() if c.accumulate > 1], last_only,
                                          monkeypatch)
-    assert len(found[True]) >= 2 * 2 * 2 * len(precisions)
+    assert len(found[True]) >= 2 * 2 * len(precisions)  # checkpointed or not, offloaded or not
     for key, (phases, every_grad, shared) in found[True].items():
         whole, whole_every_grad, _ = found[False][key]
         assert not shared and every_grad == whole_every_grad
