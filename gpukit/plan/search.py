@@ -33,6 +33,7 @@ from . import host
 from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
 from .steps import (
     CHUNK_TOKENS,
+    _StateAlone,
     _model_maker,
     _offload,
     _optimizer_only,
@@ -303,7 +304,7 @@ class _Search:
                     optimizer = self.optimizers[c.optimizer][0](model.parameters())
                 if self.device == "cuda":
                     use_cuda_optimizer_defaults(optimizer)
-                with _state_by_foreach(optimizer):
+                with _state_by_foreach(optimizer), _StateAlone():
                     _optimizer_only(info)(model, optimizer, ())
                 info["before"] = state_bytes(model, optimizer)[0]
             self.states[key] = info

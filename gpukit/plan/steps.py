@@ -11,11 +11,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._torch import ScalerThatAlwaysSteps, _disable_current_modes, active_fake_mode
+from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, _saved_tensors, round_up
 from ..estimate import distinct_storages, state_bytes, storage_bytes
-from ..factories import fake_model, swappable_fakes
+from ..factories import _valueless, fake_model, swappable_fakes
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
 from .candidates import Candidate
@@ -388,6 +388,38 @@ def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = Fal
     if precision not in ("half", "bf16 weights") and not lora:
         return make_model
     return lambda: convert(make_model())
+
+
+@functools.cache
+def _only_writes(func) -> bool:
+    """Whether ``func`` only writes into the tensors it is given (the arithmetic of an update: ``add_``,
+    ``_foreach_addcdiv_``, bitsandbytes' 8-bit update): mutable, returning nothing or its first argument, neither
+    an ``out=`` variant nor an op that changes a tensor's sizes or strides in place (``resize_``, ``set_``, ``t_``:
+    torch.Tag.inplace_view)."""
+    schema = func._schema
+    if not schema.is_mutable or torch.Tag.inplace_view in func.tags or schema.overload_name.startswith("out"):
+        return False
+    if schema.name.split("::")[-1] in ("resize_", "resize_as_", "set_", "as_strided_", "swap_"):
+        return False
+    returns = schema.returns
+    return not returns or (len(returns) == 1 and returns[0].alias_info is not None and bool(schema.arguments)
+                           and schema.arguments[0].alias_info is not None
+                           and schema.arguments[0].alias_info.is_write
+                           and returns[0].alias_info.before_set == schema.arguments[0].alias_info.before_set)
+
+
+class _StateAlone(TorchDispatchMode):
+    """Inside an optimizer step on fake tensors whose state alone is read (``_Search.state_info``): an op that only
+    writes into tensors it is given (``_only_writes``) allocates nothing and changes no size, and where those are
+    fake tensors too big to hold a value (a step counter does: Adam divides by ``1 - beta1 ** step``) it changes
+    nothing: it is not run. The state is made by the step's other ops (``zeros_like`` in ``_init_group``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if args and _only_writes(func):
+            written = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            if written and all(_valueless(t) for t in written):
+                return args[0] if func._schema.returns else None
+        return func(*args, **(kwargs or {}))
 
 
 def _optimizer_only(info: dict):
