@@ -456,9 +456,10 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
     check_model_factory(make_model)
     check_factory(make_input, "make_input", "lambda: torch.zeros(...)", builds="the input")
     rows: list[dict] = []
-    with FakeTensorMode():
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         model = fake_model(make_model)
-        x = make_input()
+        # an input that already exists (lambda: x) is read through a fake copy, as predict() reads a batch
+        x = map_tensors(lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t), make_input())
 
         def hook(module, _inputs, output):
             if isinstance(output, torch.Tensor):

@@ -454,6 +454,10 @@ def test_the_layer_table_and_rule_of_thumb_of_a_model_that_already_exists_run_on
     assert rule_of_thumb(lambda: model, sample, 8).total == rule_of_thumb(lambda: MLP(n_in=64, width=32, depth=1),
                                                                           sample, 8).total
     assert_same(model, snap)
+    # An input that already exists (lambda: x) is read through a fake copy, as predict() reads a batch; it once
+    # raised "Please convert all Tensors to FakeTensors first".
+    x = torch.randn(1, 1, 8, 8)
+    assert layer_table(lambda: model, lambda: x) == layer_table(lambda: model, sample)
 
 
 def test_a_model_that_already_exists_and_cannot_be_copied_is_refused_and_left_as_it_is_on_the_cpu():
