@@ -130,7 +130,7 @@ class ValuesWhileBuilding(TorchDispatchMode):
         self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _FILLS and _valueless(args[0]):
+        if func in _FILLS and valueless(args[0]):
             return args[0]
         try:
             return func(*args, **(kwargs or {}))
@@ -151,7 +151,7 @@ _FILLS = frozenset({torch.ops.aten.normal_.default, torch.ops.aten.uniform_.defa
                     torch.ops.aten.fill_.Scalar})
 
 
-def _valueless(t) -> bool:
+def valueless(t) -> bool:
     """A fake floating-point tensor too big for ``FakeKernelCheck`` to follow its values (their filling would
     matter there): nothing reads what it holds."""
     return isinstance(t, FakeTensor) and t.is_floating_point() and t.numel() > GENUINE_FLOATS_LIMIT
@@ -266,4 +266,4 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
-           "fake_copy", "fake_model", "real_tensors"]
+           "fake_copy", "fake_model", "real_tensors", "valueless", "building", "ValuesWhileBuilding"]

@@ -15,7 +15,7 @@ from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, _saved_tensors, round_up
 from ..estimate import distinct_storages, state_bytes, storage_bytes
-from ..factories import _valueless, fake_model, swappable_fakes
+from ..factories import fake_model, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
 from .candidates import Candidate
@@ -417,7 +417,7 @@ class _StateAlone(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if args and _only_writes(func):
             written = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            if written and all(_valueless(t) for t in written):
+            if written and all(valueless(t) for t in written):
                 return args[0] if func._schema.returns else None
         return func(*args, **(kwargs or {}))
 
