@@ -110,7 +110,7 @@ PICTURE = Path(__file__).resolve().parent.parent / "docs" / "segment_map.png"
 
 
 def picture(path: Path = PICTURE) -> Path:
-    """docs/segment_map.png: notebook 07's fragmentation, on a simulated allocator, with the defaults and with
+    """docs/segment_map.png: notebook 08's fragmentation, on a simulated allocator, with the defaults and with
     max_split_size_mb:40 (a 60 MiB tensor freed, five 8 MiB ones made and three freed, 60 MiB asked again)."""
     import matplotlib
 

@@ -1,4 +1,4 @@
-"""What pinned host memory and ``non_blocking`` copies really do on a GPU (notebooks 06 and 11 teach them).
+"""What pinned host memory and ``non_blocking`` copies really do on a GPU (notebooks 07 and 12 teach them).
 
 Two measurements, each row with the host's wait and the GPU's total time:
 

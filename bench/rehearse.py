@@ -1,7 +1,7 @@
 """A rehearsal: each lesson run on this CPU with the sizes a card gets (gpukit.lessons.sizes), on the simulated CUDA
 caching allocator given that card's memory, with every assertion the lesson makes evaluated and counted.
 
-    python3 kit.py rehearse --card t4 [notebooks/01_no_grad.ipynb ...]
+    python3 kit.py rehearse --card t4 [notebooks/02_no_grad.ipynb ...]
     python3 kit.py rehearse --card cpu             # the CPU's own sizes: the assertion counts to compare with
 
 Each notebook runs in a fresh kernel, driven by a runner process of its own, with ``GPUKIT_REHEARSE`` naming the

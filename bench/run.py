@@ -9,7 +9,7 @@
                                                (default 1; 0: torch's own default, one per core); CSVs record them
 
 One thread by default: the figures then hold on a machine shared with other work, where threads that wait
-for each other made small steps several times slower (on two shared cores, notebook 06 took 100 s with two
+for each other made small steps several times slower (on two shared cores, notebook 07 took 100 s with two
 threads and 43 s with one). Ratios (overhead, peak over baseline) do not depend on it; absolute times do.
 """
 

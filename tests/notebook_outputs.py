@@ -114,7 +114,7 @@ def problems(path: Path) -> list[str]:
     leaked += [m.group(0) for m in re.finditer(r"(/home/|/root/|/tmp/|/Users/|[A-Z]:\\\\Users)[^\s\"']*", outputs)]
     if leaked:
         found.append(f"{path.name}: machine paths in the outputs: {sorted(set(leaked))[:3]}")
-    # The run's device, or the one a notebook simulates on it (notebook 06: a fake-tensor GPU on "meta").
+    # The run's device, or the one a notebook simulates on it (notebook 07: a fake-tensor GPU on "meta").
     if not re.search(rf"\b({re.escape(record.get('device', DEVICE))}|cuda|meta)\b", outputs):
         found.append(f"{path.name}: no output names the device ({record.get('device')})")
     return found

@@ -4,7 +4,7 @@ This is the suite's one run of each notebook. It checks what nbval --nbval-lax c
 and none outputs an error unless it is tagged raises-exception: the notebooks' asserts are their claims) and
 what only a browser shows: a widget whose front end fails shows "Error displaying widget" while nbval passes,
 and a script error in the page breaks what the reader sees. nbval stays for one notebook at a time
-(`pytest notebooks/03_gradient_accumulation.ipynb`), without a browser.
+(`pytest notebooks/04_gradient_accumulation.ipynb`), without a browser.
 
 It starts JupyterLab on a free local port, over a copy of notebooks/ (autosave writes nothing into the
 repository), opens each notebook in headless Chromium driven by Playwright (found or installed as
@@ -40,10 +40,10 @@ from playwright.sync_api import sync_playwright
 from find_chromium import NoChromium, find_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
-# Longest first (seconds in the browser, two workers, 2026-11-25: 08 88, 06 78, 12 72, 10 63, 02 61, 00 56,
-# 09 51, 07 45, 04 44, 05 38, 11 37, 03 32, 01 28): conftest runs these before the unit tests, each on the
+# Longest first (seconds in the browser, two workers, 2026-11-25, numbered as now: 09 88, 07 78, 13 72, 11 63, 03 61,
+# 00 56, 10 51, 08 45, 05 44, 06 38, 12 37, 04 32, 02 28): conftest runs these before the unit tests, each on the
 # next free worker, so the two workers end together instead of one running every notebook.
-_LONGEST_FIRST = ["08", "06", "12", "10", "02", "00", "09", "07", "04", "05", "11", "03", "01"]
+_LONGEST_FIRST = ["09", "07", "13", "11", "03", "00", "10", "08", "05", "06", "12", "04", "02"]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"),
                    key=lambda p: (_LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in _LONGEST_FIRST else -1, p.name))
 README_NOTEBOOK = "00_where_memory_goes"   # its explorer (toggles, role bars and table) is the README's picture

@@ -265,7 +265,7 @@ def test_a_module_that_is_not_there_is_named_before_anything_starts(module):
 
 
 def test_the_rank_scripts_are_found_as_modules_of_the_package_without_running_them():
-    """Notebook 08 runs its rank scripts by module name, so that they run wherever gpukit is installed."""
+    """Notebook 09 runs its rank scripts by module name, so that they run wherever gpukit is installed."""
     import importlib.util
 
     for name in ("ddp", "fsdp"):

@@ -1,4 +1,4 @@
-"""Notebook 07's fragmentation runs (gpukit.lessons.fragmentation): each in an allocator that starts empty."""
+"""Notebook 08's fragmentation runs (gpukit.lessons.fragmentation): each in an allocator that starts empty."""
 
 import base64
 import json

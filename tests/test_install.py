@@ -95,7 +95,7 @@ def test_pip_install_from_a_git_url_keeps_the_torch_and_ships_the_data(tmp_path)
     assert torch_version == OTHER_TORCH
     assert Path(package).is_relative_to(site_dir.resolve()) and not Path(package).is_relative_to(ROOT)
     assert shapes == "(1797, 1, 8, 8) (1797,)"
-    # Notebook 09's recorded runs and notebook 08's rank scripts come with the package (issue: both were
+    # Notebook 10's recorded runs and notebook 09's rank scripts come with the package (issue: both were
     # found through the source tree).
     folder, files = recorded.split(" ", 1)
     assert Path(folder).is_relative_to(site_dir.resolve())

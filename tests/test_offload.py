@@ -1,4 +1,4 @@
-"""Optimizer state on the host: torchao's CPUOffloadOptimizer, and PyTorch's own recipe for it (notebook 06), each
+"""Optimizer state on the host: torchao's CPUOffloadOptimizer, and PyTorch's own recipe for it (notebook 07), each
 predicted on a simulated GPU (fake tensors on 'meta') with a host (fake tensors on the CPU), the copies of a step
 counted by gpukit.copies; torchao's also run for real on this CPU. Each figure is checked against its arithmetic.
 
@@ -165,7 +165,7 @@ def test_torchao_refuses_a_machine_without_cuda_and_the_stand_ins_leave_torch_as
 
 
 def host_optimizer(params):
-    """PyTorch's own recipe (notebook 06): a float32 copy of each weight on the host, with Adam there."""
+    """PyTorch's own recipe (notebook 07): a float32 copy of each weight on the host, with Adam there."""
     params = list(params)
     host = [p.detach().to("cpu").requires_grad_() for p in params]
     optimizer = torch.optim.Adam(host, lr=1e-3)

@@ -91,7 +91,7 @@ def test_a_cell_listed_runs_on_fake_tensors_on_the_card_and_the_next_one_is_real
 
 
 def test_a_cell_on_fake_tensors_measures_the_bytes_of_the_real_one():
-    """Device: cpu. Notebook 09's technique matrix (a model of it: one setup, the techniques whose steps differ most,
+    """Device: cpu. Notebook 10's technique matrix (a model of it: one setup, the techniques whose steps differ most,
     GradScaler's check for inf included) measured on fake tensors as a rehearsal runs it, then for real: the same
     bytes on every row; the data loaded first inside the fake cell stays real for the real run."""
     from gpukit.lessons import data

@@ -16,7 +16,7 @@ from gpukit.lessons.sizes import REHEARSE_VAR, SIZES, card_memory, lesson_settin
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lessons whose sizes are the same on every device (or that size nothing by the device): no entry in the table.
-SAME_EVERYWHERE = {"08_multi_gpu", "11_data_loading", "12_make_it_fit", "13_fit_a_big_model"}
+SAME_EVERYWHERE = {"09_multi_gpu", "12_data_loading", "13_make_it_fit", "14_fit_a_big_model"}
 
 
 def settings_cell(name):
@@ -66,26 +66,26 @@ def fake_gpu(monkeypatch, name, total_memory, capability=(8, 0)):
     ("NVIDIA GeForce RTX 4090", 24_080 * 2**20, "t4", None),  # not in gpukit.cards: sized by its memory
 ])
 def test_a_gpu_gets_the_sizes_of_its_memory(monkeypatch, name, total_memory, tier, key):
-    s = lesson_settings("01_no_grad")
-    cpu_batch = SIZES["01_no_grad"]["cpu"]["EVAL_BATCH"]
+    s = lesson_settings("02_no_grad")
+    cpu_batch = SIZES["02_no_grad"]["cpu"]["EVAL_BATCH"]
     assert (s.device.type, s.tier, s.card, s.EVAL_BATCH) == ("cpu", "cpu", None, cpu_batch)
     fake_gpu(monkeypatch, name, total_memory)
-    s = lesson_settings("01_no_grad")
+    s = lesson_settings("02_no_grad")
     assert s.device.type == "cuda" and s.tier == tier and not s.rehearsal
     assert (s.card.key if s.card else None) == key
-    assert s.EVAL_BATCH == SIZES["01_no_grad"][tier]["EVAL_BATCH"]
-    assert s.CHANNELS == SIZES["01_no_grad"][tier]["CHANNELS"] and "01_no_grad on cuda" in repr(s)
+    assert s.EVAL_BATCH == SIZES["02_no_grad"][tier]["EVAL_BATCH"]
+    assert s.CHANNELS == SIZES["02_no_grad"][tier]["CHANNELS"] and "02_no_grad on cuda" in repr(s)
 
 
 def test_a_rehearsal_runs_on_the_cpu_with_the_cards_sizes_and_memory(monkeypatch):
     monkeypatch.setenv(REHEARSE_VAR, "t4")
     try:
-        s = lesson_settings("06_cpu_offload")
+        s = lesson_settings("07_cpu_offload")
         assert s.device.type == "cpu" and s.rehearsal and s.card is card("t4") and s.tier == "t4"
         assert s.BUCKETS == 2**20
         assert cpu_device().allocator.total_memory == card_memory(card("t4")) == 14_930 * 2**20
         monkeypatch.setenv(REHEARSE_VAR, "H100")
-        assert lesson_settings("06_cpu_offload").BUCKETS == 2**22
+        assert lesson_settings("07_cpu_offload").BUCKETS == 2**22
         assert cpu_device().allocator.total_memory == 80 * 10**9
     finally:
         reset_cpu_device()  # the process's simulated GPU as every other test finds it
@@ -117,15 +117,15 @@ def test_a_rehearsal_repeats_timed_steps_fewer_times_and_nothing_else(monkeypatc
                     assert 2 <= rehearsed < on_card, (name, size)
     monkeypatch.setenv(REHEARSE_VAR, "t4")
     try:
-        s = lesson_settings("04_gradient_checkpointing")
+        s = lesson_settings("05_gradient_checkpointing")
         assert s.TIME_SHAPES == [(2048, 128, 2), (2048, 8192, 2)]
-        assert (s.WIDTH, s.BATCH) == (SIZES["04_gradient_checkpointing"]["gpu"]["WIDTH"],
-                                      SIZES["04_gradient_checkpointing"]["gpu"]["BATCH"])
+        assert (s.WIDTH, s.BATCH) == (SIZES["05_gradient_checkpointing"]["gpu"]["WIDTH"],
+                                      SIZES["05_gradient_checkpointing"]["gpu"]["BATCH"])
         assert "repeated fewer times in a rehearsal: TIME_SHAPES" in repr(s)
         assert lesson_settings("00_where_memory_goes").shortened == {}
     finally:
         reset_cpu_device()
     fake_gpu(monkeypatch, "Tesla T4", 14_930 * 2**20, (7, 5))
     monkeypatch.delenv(REHEARSE_VAR)
-    s = lesson_settings("02_mixed_precision")  # on the card itself: every repetition
-    assert s.SPEED_STEPS == SIZES["02_mixed_precision"]["gpu"]["SPEED_STEPS"] and s.shortened == {}
+    s = lesson_settings("03_mixed_precision")  # on the card itself: every repetition
+    assert s.SPEED_STEPS == SIZES["03_mixed_precision"]["gpu"]["SPEED_STEPS"] and s.shortened == {}

@@ -94,7 +94,7 @@ def forward_with_graph(model, optimizer, batch):
 
 
 def case_04(s):  # the deepest net, not checkpointed
-    scope = definitions("04_gradient_checkpointing", 2, {**s, "nn": nn, "checkpoint_sequential": checkpoint_sequential})
+    scope = definitions("05_gradient_checkpointing", 2, {**s, "nn": nn, "checkpoint_sequential": checkpoint_sequential})
     return (lambda: scope["DeepNet"](max(s["DEPTHS"]))), digits(s["BATCH"])
 
 
@@ -103,7 +103,7 @@ def case_05(s):  # the float32 model, the larger of the two
 
 
 def case_06(s):  # every part on the GPU: the embedding table, its gradient and Adam's state there
-    scope = definitions("06_cpu_offload", 3, {**s, "nn": nn, "CUDA": False, "HOST": torch.device("cpu")})
+    scope = definitions("07_cpu_offload", 3, {**s, "nn": nn, "CUDA": False, "HOST": torch.device("cpu")})
     cpu = torch.device("cpu")
 
     def make_batch():
@@ -117,10 +117,10 @@ def case_07(s):  # the batch the notebook shows failing under its budget: the ca
 
 
 CASES = {"00_where_memory_goes": mlp_case(2),   # the MLP whose parameters, gradients and Adam state it measures
-         "01_no_grad": case_01, "02_mixed_precision": mlp_case(3),
-         "03_gradient_accumulation": mlp_case(),     # the whole batch in one step, the run accumulation remedies
-         "04_gradient_checkpointing": case_04, "05_half_with_float_batchnorm": case_05, "06_cpu_offload": case_06,
-         "07_oom_and_batch_size": case_07, "10_everyday_savings": mlp_case()}
+         "02_no_grad": case_01, "03_mixed_precision": mlp_case(3),
+         "04_gradient_accumulation": mlp_case(),     # the whole batch in one step, the run accumulation remedies
+         "05_gradient_checkpointing": case_04, "06_half_with_float_batchnorm": case_05, "07_cpu_offload": case_06,
+         "08_oom_and_batch_size": case_07, "11_everyday_savings": mlp_case()}
 # (08 and 11 have one size for every device, which their CPU runs under nbval execute; 12 and 13 predict for the
 # card themselves.)
 
@@ -141,29 +141,29 @@ def test_the_notebooks_gpu_sized_step_fits_its_card_with_headroom(name, card, mo
 
 @pytest.mark.parametrize("card", CARDS)
 def test_the_big_batch_of_notebook_07_is_over_its_budget_on_the_card(card, monkeypatch):
-    """Device: cpu (fake tensors), predicting each card. Notebook 07 asserts that its big batch does not fit its
+    """Device: cpu (fake tensors), predicting each card. Notebook 08 asserts that its big batch does not fit its
     budget: at a card's sizes too. On a GPU the budget caps reserved memory (the allocator's memory fraction), on
     the CPU live bytes: the step's allocated peak over it puts both over (reserved is never below allocated)."""
-    settings = gpu_settings("07_oom_and_batch_size", monkeypatch, card)
+    settings = gpu_settings("08_oom_and_batch_size", monkeypatch, card)
     make_model, make_batch = case_07(settings)
     p = predict(make_model, adam, make_batch, card=card)
     assert p.peak > gpukit.parse_bytes(settings["BUDGET"])
 
 
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
-    """The same check, on notebook 03's batch eight times over: its activations alone are over 16 GB."""
-    settings = gpu_settings("03_gradient_accumulation", monkeypatch)
+    """The same check, on notebook 04's batch eight times over: its activations alone are over 16 GB."""
+    settings = gpu_settings("04_gradient_accumulation", monkeypatch)
     make_model, make_batch = mlp_case()({**settings, "BATCH": 8 * settings["BATCH"]})
     p = predict(make_model, adam, make_batch, card="t4")
     assert p.reserved_peak + CONTEXT_ALLOWANCE > HEADROOM * T4_BYTES
 
 
 def test_the_technique_matrix_fits_a_t4_in_notebook_09(monkeypatch):
-    """Device: cpu (fake tensors), predicting a T4. Notebook 09 runs each reference model's baseline step (AdamW,
+    """Device: cpu (fake tensors), predicting a T4. Notebook 10 runs each reference model's baseline step (AdamW,
     float32, the whole batch), the largest of its techniques, at the sizes its settings choose on a GPU."""
     from gpukit.lessons.techniques import reference_setups
 
-    settings = gpu_settings("09_gpu_results", monkeypatch)
+    settings = gpu_settings("10_gpu_results", monkeypatch)
     for setup in reference_setups(settings["SIZE"]):
         p = predict(setup.make_model, lambda params: torch.optim.AdamW(params), lambda: setup.make_batch(setup.batch),
                     card="t4")

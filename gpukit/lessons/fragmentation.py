@@ -1,4 +1,4 @@
-"""Notebook 07's fragmentation experiment, each run in a caching allocator that starts empty with its settings.
+"""Notebook 08's fragmentation experiment, each run in a caching allocator that starts empty with its settings.
 
     from gpukit.lessons.fragmentation import in_fresh_allocator
     row = in_fresh_allocator("max_split_size_mb:40", device="cuda")

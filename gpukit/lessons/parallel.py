@@ -1,4 +1,4 @@
-"""What the rank scripts of notebook 08 share: the model, and the record each rank publishes.
+"""What the rank scripts of notebook 09 share: the model, and the record each rank publishes.
 
 The rank code itself (the process group, ``DistributedSampler``, the wrapper, the training step,
 ``gpukit.measure`` around it) is in plain scripts in ``gpukit.lessons.ranks``, each run by torchrun on

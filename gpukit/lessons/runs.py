@@ -1,5 +1,5 @@
 """Recorded runs: which machine a measurement came from, and the technique matrices kept in data/runs/
-(written by ``bench/techniques.py`` with ``bench/results.py``; read here for notebook 09).
+(written by ``bench/techniques.py`` with ``bench/results.py``; read here for notebook 10).
 
     from gpukit.lessons.runs import machine, load_runs
     machine()          # {'device_type': 'cpu', 'device_name': 'AMD EPYC', 'torch': '2.13.0+cpu', ...}

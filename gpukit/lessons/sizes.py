@@ -33,46 +33,46 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "cpu": {"BATCH": 256, "WIDTH": 256, "EXPLORER_BATCHES": (256, 1024, 4096)},
         "gpu": {"BATCH": 8192, "WIDTH": 4096, "EXPLORER_BATCHES": (4096, 16384, 65536)},  # big enough to see in MiB
     },
-    "01_no_grad": {
+    "02_no_grad": {
         "cpu": {"CHANNELS": 32, "EVAL_BATCH": 1024},
         # At 16,384 images the evaluation that keeps its graph, beside the two without, needs 16.4 GB: a card
         # under 40 GB gets half the batch (tests/test_t4.py predicts it).
         "t4": {"CHANNELS": 256, "EVAL_BATCH": 8192},
         "h100": {"CHANNELS": 256, "EVAL_BATCH": 16384},
     },
-    "02_mixed_precision": {
+    "03_mixed_precision": {
         "cpu": {"WIDTH": 512, "BATCH": 2048, "SPEED_BATCH": 256, "SPEED_STEPS": 5},
         "gpu": {"WIDTH": 4096, "BATCH": 32768, "SPEED_BATCH": 8192, "SPEED_STEPS": 20},
     },
-    "03_gradient_accumulation": {
+    "04_gradient_accumulation": {
         "cpu": {"BATCH": 512, "WIDTH": 256},
         "gpu": {"BATCH": 65536, "WIDTH": 2048},
     },
-    "04_gradient_checkpointing": {
+    "05_gradient_checkpointing": {
         # TIME_SHAPES: (width, batch, repeats) of the timed steps: the training run's shape, and a wider one
         "cpu": {"WIDTH": 128, "BATCH": 1024, "TIME_SHAPES": [(128, 128, 30), (256, 512, 15)]},
         "gpu": {"WIDTH": 2048, "BATCH": 8192, "TIME_SHAPES": [(2048, 128, 30), (2048, 8192, 20)]},
     },
-    "05_half_with_float_batchnorm": {
+    "06_half_with_float_batchnorm": {
         "cpu": {"CHANNELS": 16, "BATCH": 512},
         "gpu": {"CHANNELS": 128, "BATCH": 8192},
     },
-    "06_cpu_offload": {
+    "07_cpu_offload": {
         # Embedding-table rows: its float32 table, gradient and Adam's two moments take 16 bytes a value; 2**22
         # rows of 256 take 16 GiB, more than a T4 holds, so a card under 40 GB gets 2**20 (4 GiB).
         "cpu": {"BUCKETS": 2**16, "EMB": 64, "HIDDEN": 512},
         "t4": {"BUCKETS": 2**20, "EMB": 256, "HIDDEN": 4096},
         "h100": {"BUCKETS": 2**22, "EMB": 256, "HIDDEN": 4096},
     },
-    "07_oom_and_batch_size": {
+    "08_oom_and_batch_size": {
         "cpu": {"BUDGET": "8MB", "WIDTH": 256, "DEPTH": 2, "BIG_BATCH": 4096},
         "gpu": {"BUDGET": "1GB", "WIDTH": 2048, "DEPTH": 2, "BIG_BATCH": 65536},
     },
-    "09_gpu_results": {
+    "10_gpu_results": {
         "cpu": {"SIZE": "small", "MAX_SECONDS": 1.5},   # SIZE: gpukit.lessons.techniques.SIZES
         "gpu": {"SIZE": "cuda", "MAX_SECONDS": 10},
     },
-    "10_everyday_savings": {
+    "11_everyday_savings": {
         "cpu": {"BATCH": 512, "WIDTH": 256, "ATT_BATCH": 4, "ATT_HEADS": 4, "HEAD_DIM": 16,
                 "LENGTHS": [128, 256, 384, 512], "RNN_HIDDEN": 128, "RNN_BATCH": 32, "RNN_STEPS": 32,
                 "MS_CHANNELS": 16, "MS_BATCH": 256, "FUSE_SHAPE": (256, 4096)},
@@ -83,11 +83,11 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 # What a rehearsal on the CPU shortens: repetitions of timed steps, whose times on this CPU say nothing of the card's
-# and which, at a card's sizes, take most of a rehearsal (a T4's 20 timed steps of notebook 04 take an hour on two
+# and which, at a card's sizes, take most of a rehearsal (a T4's 20 timed steps of notebook 05 take an hour on two
 # cores). Nothing else changes: the memory a lesson measures and every assertion it makes are the card's (no cell that
 # repeats these steps asserts a time). Each entry keeps at least two repetitions: the lessons take quartiles.
 REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
-    "04_gradient_checkpointing": {"TIME_SHAPES": lambda shapes: [(width, batch, 2) for width, batch, _ in shapes]},
+    "05_gradient_checkpointing": {"TIME_SHAPES": lambda shapes: [(width, batch, 2) for width, batch, _ in shapes]},
 }
 
 # Cells a rehearsal runs on fake tensors (gpukit.lessons.rehearsal.fake_begin), by the cell's id in the notebook: the
@@ -99,8 +99,8 @@ REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
 # for inf) is made up, and the table says how many were. (A cell that calls predict() cannot be listed: a prediction
 # has the fake tensors' simulated allocator to itself.)
 REHEARSAL_ON_FAKE_TENSORS: dict[str, dict[str, str]] = {
-    "02_mixed_precision": {"bb556ae7": "speed"},
-    "09_gpu_results": {"efbc5d28": "technique matrix", "6808614a": "time ratios"},
+    "03_mixed_precision": {"bb556ae7": "speed"},
+    "10_gpu_results": {"efbc5d28": "technique matrix", "6808614a": "time ratios"},
 }
 
 

@@ -3,7 +3,7 @@
     from gpukit.lessons.techniques import run_matrix
     rows = run_matrix()      # on the GPU if there is one, else the CPU: one dict per (model, technique)
 
-Each technique is PyTorch's own mechanism, written out in ``gpukit.step.train_step`` (notebooks 02-06
+Each technique is PyTorch's own mechanism, written out in ``gpukit.step.train_step`` (notebooks 03-07
 teach them one at a time): autocast to float16 with a GradScaler, autocast to bfloat16,
 gradient accumulation over k micro-batches, ``torch.utils.checkpoint``, ``model.half()``
 with BatchNorm put back to float32, and saved activations sent to the host with
@@ -91,7 +91,7 @@ def build(setup: Setup, technique: Technique, device: torch.device):
     with device:  # made where it runs, not made on the CPU and moved
         model = setup.make_model()
     if technique.half:
-        half_with_float_batchnorm(model)  # BatchNorm's running statistics overflow float16 (notebook 05)
+        half_with_float_batchnorm(model)  # BatchNorm's running statistics overflow float16 (notebook 06)
     optimizer = torch.optim.AdamW(model.parameters())
     x, y = (t.to(device) for t in setup.make_batch(setup.batch))
     scaler = torch.amp.GradScaler(device.type, enabled=technique.amp is torch.float16)

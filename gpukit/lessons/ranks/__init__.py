@@ -1,4 +1,4 @@
-"""The scripts every rank of notebook 08 runs, shipped with gpukit so that they run wherever it is installed:
+"""The scripts every rank of notebook 09 runs, shipped with gpukit so that they run wherever it is installed:
 
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.ddp ddp ddp-bucket-view zero1
     gpukit.distributed.launch("gpukit.lessons.ranks.fsdp", "fsdp", nproc=2).frame()

@@ -1,4 +1,4 @@
-"""DistributedDataParallel, measured on every rank. Notebook 08 runs it with torchrun:
+"""DistributedDataParallel, measured on every rank. Notebook 09 runs it with torchrun:
 
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.ddp ddp ddp-bucket-view zero1
 

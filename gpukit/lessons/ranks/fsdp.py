@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``), measured on every rank: parameters, gradients and optimizer state all sharded.
-Notebook 08 runs it with torchrun:
+Notebook 09 runs it with torchrun:
 
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.fsdp fsdp fsdp-bf16 fsdp-offload
 
