@@ -6,6 +6,11 @@
     gpukit.history()                      # every measurement so far, as a DataFrame
 
 In Jupyter: ``%load_ext gpukit``, then ``%%gpumem`` on any cell.
+
+Without a GPU, torch.cuda's own memory calls answer from a simulated card:
+
+    cuda = torch.cuda if torch.cuda.is_available() else gpukit.SimulatedCuda("t4")
+    cuda.reset_peak_memory_stats(); ...; cuda.max_memory_allocated()
 """
 
 from .budget import BudgetWarning, budget
@@ -13,11 +18,12 @@ from .counter import allocated_size, allocated_size_range
 from .plan import plan
 from .meter import CompileRanEagerWarning, measure, resolve_device
 from .report import MemoryReport, clear_history, format_bytes, history, keep_history, last, parse_bytes
+from .simulated import CardRun, SimulatedCuda, on_card
 from .traffic import Traffic, copies
 from .warmup import warm_up
 
 __version__ = "0.1.0"
-__all__ = ["measure", "budget", "BudgetWarning", "CompileRanEagerWarning", "plan", "allocated_size", "allocated_size_range", "warm_up", "copies", "Traffic",
+__all__ = ["SimulatedCuda", "on_card", "CardRun", "measure", "budget", "BudgetWarning", "CompileRanEagerWarning", "plan", "allocated_size", "allocated_size_range", "warm_up", "copies", "Traffic",
            "MemoryReport", "history", "last", "keep_history",
            "clear_history", "format_bytes",
            "parse_bytes", "resolve_device", "load_ipython_extension"]

@@ -146,3 +146,117 @@ def technique_panels(matrices: dict):
         right.set_yticklabels([])
     fig.tight_layout()
     return fig
+
+
+def snapshot_timeline(snapshot: dict, ax=None, max_elements: int = 200, title: str | None = None, device: int = 0):
+    """A memory snapshot's events drawn as PyTorch's memory_viz draws its "Active Memory Timeline": every allocation
+    a band, stacked in the order made; when one is freed, the bands above it come down. The largest
+    ``max_elements`` allocations get a band each and the rest one grey band on top ("summarized", as memory_viz).
+
+    Args:
+        snapshot: ``torch.cuda.memory._snapshot()`` (a GPU's), a ``SimulatedCuda``'s, or one loaded from the pickle
+            ``_dump_snapshot`` writes.
+
+    Returns:
+        The Axes. Its peak (the highest point of the bands) is the largest sum of live allocations' requested
+        bytes along the trace.
+
+    Raises:
+        ValueError: a snapshot without recorded events (``_record_memory_history()`` was not on).
+    """
+    traces = snapshot.get("device_traces") or []
+    events = traces[device] if device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in events):
+        raise ValueError("the snapshot holds no recorded allocation: call _record_memory_history() before the code "
+                         "you want to see, then _snapshot() or _dump_snapshot()")
+    # Elements: each allocation of the trace; a free whose allocation came before the recording began stands for
+    # a block that was there from the start, as are live blocks the trace never allocated.
+    elements, starts, actions, open_by_addr = [], [], [], {}
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            elements.append(e["size"])
+            open_by_addr[e["addr"]] = len(elements) - 1
+            actions.append(len(elements) - 1)
+        elif action == "free_completed" or action == "free":
+            i = open_by_addr.pop(e["addr"], None)
+            if i is None:
+                elements.append(e["size"])
+                starts.append(len(elements) - 1)
+                i = len(elements) - 1
+            actions.append(i)
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks", []):
+            if b.get("state") == "active_allocated" and b.get("address") not in open_by_addr:
+                elements.append(b.get("requested_size") or b["size"])
+                starts.append(len(elements) - 1)
+    shown = set(sorted(range(len(elements)), key=lambda i: -elements[i])[:max_elements])
+    bands: dict[int, tuple[list, list]] = {}  # element -> (times, offsets of its bottom)
+    stack: list[int] = []  # shown elements live now, bottom first
+    summarized = 0
+    t = 0
+    top_at: list[tuple[int, int]] = []  # (time, total live) after each step
+
+    def total() -> int:
+        return sum(elements[j] for j in stack) + summarized
+
+    for i in starts[::-1]:
+        if i in shown:
+            bands[i] = ([t], [sum(elements[j] for j in stack)])
+            stack.append(i)
+        else:
+            summarized += elements[i]
+    live = set(starts)
+    for i in actions:
+        if i not in live:  # an allocation
+            live.add(i)
+            if i in shown:
+                bands.setdefault(i, ([], []))
+                bands[i][0].append(t)
+                bands[i][1].append(sum(elements[j] for j in stack))
+                stack.append(i)
+            else:
+                summarized += elements[i]
+        else:  # a free
+            live.discard(i)
+            if i in shown and i in stack:
+                k = stack.index(i)
+                bands[i][0].append(t + 1)
+                bands[i][1].append(bands[i][1][-1])
+                for j in stack[k + 1:]:  # the bands above come down
+                    times, offsets = bands[j]
+                    times += [t + 1, t + 2]
+                    offsets += [offsets[-1], offsets[-1] - elements[i]]
+                stack.pop(k)
+            elif i not in shown:
+                summarized -= elements[i]
+        t += 2
+        top_at.append((t, total()))
+    for j in stack:
+        times, offsets = bands[j]
+        times.append(t)
+        offsets.append(offsets[-1])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.2))
+    peak = max((v for _, v in top_at), default=0)
+    unit, size = _unit(peak or 1)
+    colours = plt.get_cmap("tab10").colors
+    for n, (i, (times, offsets)) in enumerate(bands.items()):
+        if len(times) < 2:
+            continue
+        xs = times
+        low = [o / size for o in offsets]
+        high = [(o + elements[i]) / size for o in offsets]
+        ax.fill_between(xs, low, high, step=None, color=colours[i % len(colours)], linewidth=0)
+    if top_at:
+        ax.axhline(peak / size, color="black", linestyle="--", linewidth=0.8,
+                   label=f"peak of live allocations: {peak / size:.2f} {unit}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlabel("allocation or free, in order")
+    ax.set_ylabel(unit)
+    ax.set_title(title or "Active memory timeline (as PyTorch's memory_viz draws it)")
+    ax.set_xlim(0, max(t, 1))
+    ax.set_ylim(0, peak / size * 1.05 if peak else 1)
+    return ax

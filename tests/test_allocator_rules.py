@@ -63,7 +63,10 @@ def test_oom_message_text_and_figures():
     with pytest.raises(SimulatedOutOfMemoryError) as err:
         s.malloc(18 * MB)  # its own 18 MiB segment would pass the 4 GiB cap
     msg = str(err.value)
-    assert msg == ("CUDA out of memory. Tried to allocate 18.00 MiB. GPU 0 has a total capacity of 16.00 GiB of which "
+    # It says first that it is simulated, then CUDA's own words.
+    label = "[a simulated GPU: gpukit's model of the CUDA caching allocator; no GPU ran this] "
+    assert msg.startswith(label) and msg[len(label):] == s.oom_message(18 * MB)
+    assert msg[len(label):] == ("CUDA out of memory. Tried to allocate 18.00 MiB. GPU 0 has a total capacity of 16.00 GiB of which "
                    "11.53 GiB is free. Including non-PyTorch memory, this process has 4.47 GiB memory in use. "
                    "4.00 GiB allowed; Of the allocated memory 1.20 GiB is allocated by PyTorch, and 2.79 GiB is "
                    "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "

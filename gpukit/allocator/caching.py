@@ -61,6 +61,7 @@ class CachingAllocator(_Statistics, _Driver, _Expandable, _Free, _OutOfMemory, _
             raise ValueError(f"context_bytes ({self.context_bytes}) leaves no memory on a "
                              f"{self.total_memory}-byte device (context_bytes=0: the allocator's memory alone)")
         self.device = int(device)
+        self.name: str | None = None  # the card simulated ("Tesla T4"), named in its out-of-memory error
         self.config = config if isinstance(config, AllocatorConfig) else AllocatorConfig.parse(config or "")
         self._roundup = any(self.config.roundup_power2_divisions)
         if self.config.per_process_memory_fraction is not None and fraction is None:

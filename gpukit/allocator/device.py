@@ -41,11 +41,17 @@ class SimulatedDevice:
     _MAX_QUEUE = 1 << 16  # events queued before the device runs them unasked
     _MAX_UNITS = 8  # signatures kept, of units seen and of units recorded (a long step's is long)
     _MAX_WAIT = 64  # a unit that repeats without leaving the state unchanged is checked again after 1, 2, 4...
+    # Whether an allocation the device cannot hold raises CUDA's out-of-memory error (a run on a simulated card,
+    # gpukit.simulated.on_card) rather than stopping the simulation (a real CPU program bigger than the device).
+    raise_oom = False
 
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
                  context_bytes: int | str = CONTEXT_ALLOWANCE, record_events: bool = False,
-                 lazy: bool = True, only: str | None = None) -> None:
-        self._alloc = CachingAllocator(total_memory, config, context_bytes=context_bytes)
+                 lazy: bool = True, only: str | None = None, allocator: CachingAllocator | None = None) -> None:
+        # ``allocator``: one this device shares with another (a card followed by two counters: its real tensors'
+        # and a block's fake ones, gpukit.simulated); its capacity and settings are its own, the others ignored.
+        self._alloc = allocator if allocator is not None else CachingAllocator(total_memory, config,
+                                                                               context_bytes=context_bytes)
         # Only the storages a fake counter sees on this device (its tensors' device type, as the counter labels
         # them: gpukit.offload's simulated GPU beside its host); None: every storage the counter sees.
         self.only = only
@@ -167,8 +173,8 @@ class SimulatedDevice:
         try:
             a = alloc.malloc(nbytes)
         except torch.OutOfMemoryError:
-            if counted and alloc.allowed_memory_maximum is not None:
-                raise  # a cap the user set (budget(..., reserved=True)): the lesson's OOM
+            if counted and (alloc.allowed_memory_maximum is not None or self.raise_oom):
+                raise  # a cap the user set (budget(..., reserved=True)), or a card a block runs on: the lesson's OOM
             self._too_small()
             return
         except BaseException:  # interrupted half-way (KeyboardInterrupt): stop following rather than drift
@@ -477,14 +483,21 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
     Raises:
         ValueError: for a size or setting that is not allowed.
     """
+    fresh = SimulatedDevice(total_memory, config, context_bytes=context_bytes, lazy=lazy)
+    return use_cpu_device(fresh)
+
+
+def use_cpu_device(device: SimulatedDevice, place: bool = True) -> SimulatedDevice:
+    """Make ``device`` the simulated GPU behind ``measure()`` on CPU, in place of the one there was; ``place``:
+    the storages the counter already knows are placed on it first (False: only what is made from now on)."""
     global _CPU_DEVICE
     from ..counter import LEDGER
 
-    fresh = SimulatedDevice(total_memory, config, context_bytes=context_bytes, lazy=lazy)
     if _CPU_DEVICE is not None:
         _CPU_DEVICE.detach()
-    _CPU_DEVICE = fresh.attach(LEDGER)
-    return fresh
+    _CPU_DEVICE = None
+    _CPU_DEVICE = device.attach(LEDGER, place=place)
+    return device
 
 
 class follow:

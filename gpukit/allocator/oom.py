@@ -23,7 +23,14 @@ def format_size(size: int) -> str:
 
 
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
-    """``torch.OutOfMemoryError`` raised by the simulated allocator, with CUDA's message."""
+    """``torch.OutOfMemoryError`` raised by the simulated allocator: CUDA's message, after a line that says it is
+    simulated (a reader must never take it for a real GPU's)."""
+
+
+def simulated_label(name: str | None) -> str:
+    """What a simulated out-of-memory error says before CUDA's own words."""
+    card = f"a simulated {name}" if name else "a simulated GPU"
+    return f"[{card}: gpukit's model of the CUDA caching allocator; no GPU ran this] "
 
 
 class _OutOfMemory:
@@ -51,8 +58,8 @@ class _OutOfMemory:
         self.counters["num_ooms"] += 1
         if self.trace is not None:
             self.trace.append(("oom", self._device_free(), size, stream))
-        raise SimulatedOutOfMemoryError(self.oom_message(alloc_size))
+        raise SimulatedOutOfMemoryError(simulated_label(self.name) + self.oom_message(alloc_size))
 
     def _oom_plain(self, message: str) -> None:
-        raise SimulatedOutOfMemoryError(message)
+        raise SimulatedOutOfMemoryError(simulated_label(self.name) + message)
 

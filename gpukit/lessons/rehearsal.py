@@ -1,5 +1,5 @@
 """What a rehearsal runs inside a lesson's kernel (bench/rehearse.py, ``python3 kit.py rehearse --card t4``): every
-``assert`` of the lesson's cells counted, a failing one recorded and the run going on, the simulated CUDA allocator's
+``assert`` and every ``claim()`` (gpukit.lessons.claims) of the lesson's cells counted, a failing one recorded and the run going on, the simulated CUDA allocator's
 peaks read after each cell, and one line at the end with what was found.
 
     from gpukit.lessons.rehearsal import install; install()     # before the lesson's first cell
@@ -163,6 +163,9 @@ def install(progress: str | None = None) -> None:
     shell = get_ipython()
     counter = _Counter()
     counter.progress = progress
+    from gpukit.lessons import claims
+
+    claims.RECORDER = counter  # every claim() counted as an assert is, a failed one recorded
     shell.user_ns["__gpukit_rehearsal__"] = counter
     shell.ast_transformers.append(_CountAsserts(shell))
     shell.events.register("post_run_cell", counter.after_cell)

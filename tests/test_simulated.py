@@ -1,0 +1,270 @@
+"""gpukit.SimulatedCuda and on_card: torch.cuda's memory calls answered on a CPU, snapshots memory_viz reads, and a
+block run at a card's sizes on fake tensors. Device: cpu, every test (the simulated card stands for a CUDA one)."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.allocator import CachingAllocator, cpu_device
+from gpukit.cards import card
+from gpukit.counter import LEDGER, allocated_size
+from gpukit.lessons.claims import ClaimFailed, claim, measured_on
+from gpukit.simulated import SimulatedCuda, on_card, simulated_cuda
+
+MiB = 2**20
+
+
+@pytest.fixture
+def cuda():
+    c = SimulatedCuda("t4")
+    yield c
+    c.close()
+
+
+def test_tensors_made_after_the_card_are_on_it_and_those_before_are_the_hosts(cuda):
+    """Device: cpu (a simulated T4). Allocated bytes are the allocator's blocks: a small tensor's bytes rounded to
+    512, exactly; a tensor that existed before the card is not on it, and its death changes nothing."""
+    assert cuda.memory_allocated() == 0 and cuda.memory_reserved() == 0
+    a = torch.empty(1000)                                   # 4,000 B -> one 4,096 B block
+    assert cuda.memory_allocated() == allocated_size(4000) == 4096
+    assert cuda.memory_reserved() == 2 * MiB                # the small pool's first segment
+    b = torch.empty(3 * MiB // 4)                           # 3 MiB: a 20 MiB segment of the large pool, split
+    assert cuda.memory_allocated() == 4096 + 3 * MiB
+    assert cuda.memory_reserved() == 22 * MiB
+    del a
+    assert cuda.memory_allocated() == 3 * MiB and cuda.memory_reserved() == 22 * MiB  # the block stays cached
+    cuda.empty_cache()
+    assert cuda.memory_reserved() == 20 * MiB                # the empty small segment went back to the driver
+    assert cuda.max_memory_allocated() == 4096 + 3 * MiB
+    cuda.reset_peak_memory_stats()
+    assert cuda.max_memory_allocated() == 3 * MiB
+    del b
+    free, total = cuda.mem_get_info()
+    assert total == card("t4").torch_total_memory and free == total - cuda.memory_reserved() - 2**30
+
+
+def test_a_tensor_of_the_host_is_not_placed():
+    """Device: cpu. Data loaded before the card exists is the host's, as a data set in host memory is on a GPU."""
+    data = torch.randn(256, 256)
+    c = SimulatedCuda("t4")
+    try:
+        assert c.memory_allocated() == 0
+        x = data[:10] * 2  # a new tensor: on the card
+        assert c.memory_allocated() == allocated_size(10 * 256 * 4)
+        del data
+        assert c.memory_allocated() == allocated_size(10 * 256 * 4)
+        del x
+    finally:
+        c.close()
+
+
+def test_a_training_step_peak_is_the_one_measure_reports(cuda):
+    """Device: cpu. The card's peak over a step is the CPU counter's (measure()) over the same step, from the same
+    start: both count each tensor's block."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()
+    start = cuda.memory_allocated()
+    cuda.reset_peak_memory_stats()
+    with gpukit.measure("cpu", record=False) as report:
+        step()
+    assert cuda.max_memory_allocated() == start + report.peak
+    assert cuda.memory_allocated() == start + report.delta == start
+
+
+def test_the_summary_names_the_simulated_card_and_fits_a_screen(cuda):
+    """Device: cpu. memory_summary() is torch's table, titled with the simulated card; abbreviated, under 30 lines."""
+    keep = torch.empty(1024)
+    text = cuda.memory_summary(abbreviated=True)
+    lines = text.splitlines()
+    assert "simulated T4" in lines[1] and len(lines) <= 30
+    assert len({len(line) for line in lines}) == 1  # the frame stays whole
+    assert "Allocated memory" in text
+    del keep
+
+
+def test_the_out_of_memory_error_says_it_is_simulated(cuda):
+    """Device: cpu. A block that needs more than a T4 holds fails with CUDA's message, marked as simulated."""
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        with on_card(cuda):
+            x = torch.empty(16 * 2**30, dtype=torch.uint8)  # 16 GiB, more than the T4's 14.58 GiB
+            del x
+    text = str(err.value)
+    assert text.startswith("[a simulated NVIDIA T4") and "no GPU ran this" in text
+    assert "CUDA out of memory. Tried to allocate 16.00 GiB. GPU 0 has a total capacity of 14.58 GiB" in text
+    assert cuda.memory_allocated() == 0  # the block's tensors left the card with it
+    assert cuda.memory_stats()["num_ooms"] == 1
+
+
+def test_on_card_places_a_step_as_predict_does(cuda):
+    """Device: cpu (a simulated T4, fake tensors). A steady training step run in on_card reaches the peak
+    predict(card="t4") gives for it: the same step on the same fake tensors, under the same CUDA rules, counted in
+    the allocator's blocks (all under 1 MiB here, so rounded to 512 as the counter rounds)."""
+    from gpukit.estimate import default_step, predict
+
+    make_model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    make_opt = lambda p: torch.optim.Adam(p)
+    make_batch = lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    predicted = predict(make_model, make_opt, make_batch, card="t4")
+    with on_card(cuda) as run:
+        model = make_model()
+        opt = make_opt(model.parameters())
+        batch = make_batch()
+        default_step(model, opt, batch)  # the warm-up predict runs too
+        cuda.reset_peak_memory_stats()
+        default_step(model, opt, batch)
+    assert run.simulated and run.made_up == {}
+    assert cuda.max_memory_allocated() == predicted.peak
+    assert predicted.workspaces > 0  # the cuBLAS workspaces of both threads are part of both
+    assert cuda.memory_allocated() == 0
+
+
+def test_values_read_inside_a_card_run_are_made_up_and_counted(cuda):
+    """Device: cpu. loss.item() on fake tensors reads a healthy step's value, and the run says how many were."""
+    with on_card(cuda) as run:
+        loss = torch.randn(8, 8).square().mean()
+        value = loss.item()
+    assert value == 0.0 and run.made_up == {"float": 1}
+    assert "made up" in repr(run)
+
+
+def test_on_card_with_torch_cuda_runs_the_block_for_real():
+    """Device: cpu. Given torch.cuda (what a GPU machine passes), the block runs as written: real tensors."""
+    with on_card(torch.cuda) as run:
+        x = torch.ones(3) * 2
+    assert not run.simulated and x.sum().item() == 6.0
+
+
+def test_bad_arguments_are_refused_with_what_is_allowed(cuda):
+    """Device: cpu."""
+    with pytest.raises(ValueError, match="device 0"):
+        cuda.memory_allocated("cuda:1")
+    with pytest.raises(ValueError, match="device 0"):
+        cuda.max_memory_allocated("cpu")
+    with pytest.raises(ValueError, match="'all', 'state' or None"):
+        cuda.memory._record_memory_history("everything")
+    with pytest.raises(ValueError, match="max_entries"):
+        cuda.memory._record_memory_history(max_entries=0)
+    with pytest.raises(TypeError, match="torch.cuda .* or a gpukit.SimulatedCuda"):
+        with on_card("t4"):
+            pass
+    with pytest.raises(ValueError, match="t4"):
+        SimulatedCuda("no such card")
+    with pytest.raises(TypeError):
+        SimulatedCuda(16)
+
+
+def test_a_new_card_replaces_the_old_one_which_then_refuses_calls():
+    """Device: cpu. One simulated card per process, as one CUDA device 0."""
+    first = SimulatedCuda("t4")
+    second = SimulatedCuda("h100")
+    try:
+        assert simulated_cuda() is second and cpu_device() is second._device
+        with pytest.raises(RuntimeError, match="replaced"):
+            first.memory_allocated()
+        assert second.get_device_properties().total_memory == card("h100").torch_total_memory or \
+            second.get_device_properties().total_memory == card("h100").memory_bytes
+    finally:
+        second.close()
+    assert simulated_cuda() is None and not LEDGER.active
+    assert cpu_device() is not second._device
+
+
+def test_a_snapshot_written_here_opens_in_pytorchs_memory_viz(cuda, tmp_path):
+    """Device: cpu. _dump_snapshot writes torch's pickle: torch.cuda._memory_viz reads it (its text views and the
+    HTML page memory_viz opens), every live block's frames point at the line that made it, and each free follows an
+    allocation of the same block."""
+    from torch.cuda import _memory_viz
+
+    cuda.memory._record_memory_history(max_entries=10_000)
+    model = torch.nn.Linear(32, 32)
+    line = inspect.currentframe().f_lineno + 1
+    out = model(torch.randn(16, 32))
+    loss = out.sum()
+    loss.backward()
+    path = tmp_path / "step.pickle"
+    cuda.memory._dump_snapshot(str(path))
+    cuda.memory._record_memory_history(enabled=None)
+    snap = pickle.loads(path.read_bytes())
+    events = snap["device_traces"][0]
+    assert events and {e["action"] for e in events} >= {"alloc", "free_requested", "free_completed",
+                                                          "segment_alloc"}
+    for e in events:  # the fields memory_viz reads of each event
+        assert {"action", "addr", "size", "stream", "frames"} <= set(e)
+    allocated = set()
+    for e in events:
+        if e["action"] == "alloc":
+            allocated.add(e["addr"])
+        elif e["action"] == "free_completed":
+            assert e["addr"] in allocated
+            allocated.discard(e["addr"])
+    live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert sum(b["size"] for b in live) == cuda.memory_allocated()
+    made_here = [b for b in live if any(f["filename"] == __file__ and f["line"] == line for f in b["frames"])]
+    assert [b["requested_size"] for b in made_here] == [out.untyped_storage().nbytes()]  # the output, still live
+    assert all(f["filename"] != gpukit.simulated.__file__ for b in live for f in b["frames"])
+    assert "Summary of segments" in _memory_viz.segsum(snap)
+    assert "entries" in _memory_viz.trace(snap)
+    assert "snapshot.pickle" in _memory_viz.trace_plot(snap)
+    # The flame graphs' lines (memory_viz's own formatter downloads flamegraph.pl: the lines are kept instead).
+    flame = _memory_viz.memory(snap, format_flamegraph=lambda lines: lines)
+    assert f"test_simulated.py:{line}:" in flame
+
+
+def test_recording_keeps_the_last_entries_and_stops(cuda):
+    """Device: cpu. max_entries keeps the newest events, as PyTorch's ring buffer; enabled=None stops recording."""
+    cuda.memory._record_memory_history(max_entries=4)
+    xs = [torch.empty(100) for _ in range(5)]
+    events = cuda.memory._snapshot()["device_traces"][0]
+    assert len(events) == 4 and all(e["action"] == "alloc" for e in events)
+    cuda.memory._record_memory_history(enabled=None)
+    del xs
+    assert cuda.memory._snapshot()["device_traces"][0] == []
+
+
+def test_the_timeline_plot_draws_the_snapshot_peak(cuda):
+    """Device: cpu. gpukit.plots.snapshot_timeline's peak is the largest sum of live allocations along the trace."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from gpukit.plots import snapshot_timeline
+
+    cuda.memory._record_memory_history()
+    a = torch.empty(1000)
+    b = torch.empty(3000)
+    del a
+    c = torch.empty(500)
+    snap = cuda.memory._snapshot()
+    cuda.memory._record_memory_history(enabled=None)
+    ax = snapshot_timeline(snap)
+    assert "12.00 KiB" not in ax.get_legend().get_texts()[0].get_text()
+    assert "15.62 KiB" in ax.get_legend().get_texts()[0].get_text()  # 4,000 + 12,000 B live together
+    del b, c
+    with pytest.raises(ValueError, match="_record_memory_history"):
+        snapshot_timeline({"segments": [], "device_traces": [[]]})
+
+
+def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda):
+    """Device: cpu."""
+    claim(2 > 1, "two is more than one")
+    assert capsys.readouterr().out == "✓ two is more than one\n"
+    with pytest.raises(ClaimFailed, match="one is more than two"):
+        claim(1 > 2, "one is more than two")
+    with pytest.raises(TypeError):
+        claim(True, 3)
+    assert "simulated for an NVIDIA T4 on this CPU" in measured_on(cuda)
+    assert "no GPU" in measured_on(torch.cuda)
+    with pytest.raises(TypeError):
+        measured_on("cuda")
