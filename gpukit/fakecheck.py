@@ -193,7 +193,7 @@ class FakeKernelCheck(TorchDispatchMode):
         ``genuine``: the values a real run has (from the batch, or computed from genuine values only); others
         are valid made-up ones (indices that a made-up input gave), good for running kernels, not for reading.
         """
-        if real.layout is not torch.strided:
+        if real.layout is not torch.strided or real.device.type == "meta":  # a meta tensor holds no values
             return
         if not real.is_floating_point() and not real.is_complex() and real.numel() <= KNOWN_VALUES_LIMIT:
             self.known[fake] = real

@@ -127,6 +127,15 @@ class _CardDevice(SimulatedDevice):
     shares with the card's other device; while history is recorded it runs each allocation as it happens, so that
     the allocation's frames are those of the code that made it."""
 
+    # The device of an on_card() block open on the same allocator: what its fake tensors freed is booked before the
+    # card is read (cuda.memory_allocated() right after a `del` inside the block).
+    also: "SimulatedDevice | None" = None
+
+    def _catch_up(self) -> None:
+        if self.also is not None and self.also.ledger is not None:
+            self.also._catch_up()
+        super()._catch_up()
+
     def on_alloc(self, key: int, nbytes: int, counted: bool = True) -> None:
         trace = self._alloc.trace
         if nbytes > 0 and isinstance(trace, _History) and trace.context is not None:
@@ -447,8 +456,8 @@ class SimulatedCuda:
 
     # -- a block at the card's sizes -----------------------------------------------------------------------------
 
-    def _card_run(self) -> "contextlib.AbstractContextManager[CardRun]":
-        return _CardRunContext(self)
+    def _card_run(self, gpu: str = "cpu") -> "contextlib.AbstractContextManager[CardRun]":
+        return _CardRunContext(self, gpu)
 
 
 def _settings(alloc: CachingAllocator) -> dict:
@@ -484,8 +493,9 @@ class CardRun:
 
 
 class _CardRunContext:
-    def __init__(self, cuda: SimulatedCuda) -> None:
+    def __init__(self, cuda: SimulatedCuda, gpu: str = "cpu") -> None:
         self.cuda = cuda
+        self.only = None if gpu == "cpu" else gpu  # the device type whose fake tensors are the card's (None: all)
 
     def __enter__(self) -> CardRun:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -502,7 +512,7 @@ class _CardRunContext:
                                "tensors' counter to itself")
         run = self.run = CardRun(cuda.card.name, simulated=True)
         card_alloc = cuda._device.allocator  # the real tensors' events run first
-        device = self.device = _CardDevice(allocator=card_alloc, lazy=False)
+        device = self.device = _CardDevice(allocator=card_alloc, lazy=False, only=self.only)
         device.raise_oom = True
 
         class _Healthy(ValuesWhileBuilding):
@@ -524,6 +534,7 @@ class _CardRunContext:
             tally = FAKE_LEDGER.start()
             stack.callback(FAKE_LEDGER.stop, tally)
             device.attach(FAKE_LEDGER, place=False)  # after the start: fake tensors of earlier work are not placed
+            cuda._device.also = device
             stack.callback(self._release)
         except BaseException:
             stack.close()
@@ -535,6 +546,7 @@ class _CardRunContext:
         process's memory does when it ends; the peaks they reached stay in the statistics."""
         device = self.device
         FAKE_LEDGER.settle()  # tensors that died in the block are freed in their order first
+        self.cuda._device.also = None
         device.detach()
         alloc = device._alloc
         for addr in list(device.addr.values())[::-1]:
@@ -581,7 +593,7 @@ def _card_rules(capability, device: _CardDevice):
 
 
 @contextlib.contextmanager
-def on_card(cuda: Any = None):
+def on_card(cuda: Any = None, gpu: Any = "cpu"):
     """Run a block at the card's own sizes: ``with on_card(cuda): train_step(...)``.
 
     On a GPU (``cuda`` is ``torch.cuda``) the block runs as written, for real. With a ``SimulatedCuda`` it runs on
@@ -592,11 +604,19 @@ def on_card(cuda: Any = None):
     tensors inside (``loss.item()``, a GradScaler's check for inf) are made up as a healthy step's (0, no inf) and
     counted in the ``CardRun`` the block gets. Tensors made inside are fake: use them inside.
 
+    A block that keeps a host beside the card (a layer or saved tensors on the CPU, the rest on the GPU) puts its
+    GPU side on ``meta`` where there is no GPU, and says so: ``on_card(cuda, gpu="meta")``. Then only the fake
+    tensors on ``meta`` are the card's; those on the CPU are the host's and are not placed (fake CUDA tensors cannot
+    stand for the GPU on a CPU-only PyTorch: gpukit.offload).
+
     Args:
         cuda: ``torch.cuda`` or a ``SimulatedCuda``; by default the process's simulated card.
+        gpu: the device that stands for the GPU in the block: "cpu" (every fake tensor is the card's) or "meta"
+            (the CPU is the host); a ``torch.device`` too. Ignored where the block runs on a GPU.
 
     Raises:
         TypeError: for anything else.
+        ValueError: ``gpu`` other than "cpu" or "meta" on the simulated card.
         RuntimeError: without a simulated card to run on, or inside ``predict()`` / another ``on_card()``.
     """
     if cuda is None:
@@ -609,7 +629,11 @@ def on_card(cuda: Any = None):
         return
     if not isinstance(cuda, SimulatedCuda):
         raise TypeError(f"on_card({cuda!r}): pass torch.cuda (a GPU runs the block for real) or a gpukit.SimulatedCuda")
-    with cuda._card_run() as run:
+    gpu = torch.device(gpu).type
+    if gpu not in ("cpu", "meta"):
+        raise ValueError(f"on_card(gpu={gpu!r}): on the simulated card the GPU stands on 'cpu' or 'meta' (fake CUDA "
+                         "tensors abort a CPU-only PyTorch)")
+    with cuda._card_run(gpu) as run:
         yield run
 
 

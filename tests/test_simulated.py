@@ -131,6 +131,39 @@ def test_on_card_places_a_step_as_predict_does(cuda):
     assert cuda.memory_allocated() == 0
 
 
+def test_inside_a_card_run_the_card_is_read_up_to_date(cuda):
+    """Device: cpu (a simulated T4, fake tensors). A fake tensor deleted inside on_card() has left the card when the
+    next line reads it, as on a GPU: memory_allocated() right after a `del` is the smaller figure."""
+    with on_card(cuda):
+        x = torch.empty(2**20)                                  # 4 MiB
+        assert cuda.memory_allocated() == 4 * MiB
+        del x
+        assert cuda.memory_allocated() == 0
+        assert cuda.max_memory_allocated() == 4 * MiB
+
+
+def test_a_card_run_with_a_host_places_only_the_gpus_side(cuda):
+    """Device: cpu (a simulated T4; its GPU side on meta, the host the CPU, all fake). A layer kept on the host and the
+    batch made there are not on the card; what moves to meta is, labels included (their values, which a meta tensor
+    does not hold, are not read); the host's half-gigabyte table is nowhere in the card's figures."""
+    gpu = torch.device("meta")
+    with on_card(cuda, gpu=gpu):
+        table = torch.nn.EmbeddingBag(2**19, 256, mode="mean")          # 512 MiB, on the host
+        net = torch.nn.Linear(256, 10).to(gpu)
+        ids, labels = torch.randint(2**19, (64, 8)), torch.randint(10, (64,))
+        on_card_before = cuda.memory_allocated()
+        loss = torch.nn.functional.cross_entropy(net(table(ids).to(gpu)), labels.to(gpu))
+        loss.backward()
+        assert table.weight.grad.device.type == "cpu" and net.weight.grad.device.type == "meta"
+        del loss
+        peak = cuda.max_memory_allocated()
+    assert on_card_before == allocated_size(256 * 10 * 4) + allocated_size(10 * 4)   # the Linear's weights only
+    assert 0 < peak < 64 * MiB and cuda.memory_allocated() == 0    # the Linear's step and cuBLAS's workspaces
+    with pytest.raises(ValueError, match="'cpu' or 'meta'"):
+        with on_card(cuda, gpu="cuda"):
+            pass
+
+
 def test_values_read_inside_a_card_run_are_made_up_and_counted(cuda):
     """Device: cpu. loss.item() on fake tensors reads a healthy step's value, and the run says how many were."""
     with on_card(cuda) as run:
