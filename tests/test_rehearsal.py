@@ -90,6 +90,28 @@ def test_a_cell_listed_runs_on_fake_tensors_on_the_card_and_the_next_one_is_real
         rehearsal.rehearse(path, "t4", LIMIT)
 
 
+def test_a_cell_on_fake_tensors_is_placed_on_the_lessons_own_simulated_card(tmp_path, monkeypatch):
+    """Device: cpu; a T4 simulated by the lesson itself (``cuda = gpukit.SimulatedCuda()``). The fake cell's tensors
+    count in the card's memory calls, as a GPU's would, a del at once; when the cell ends they leave the card and
+    the peak they reached stays, and they took no host RAM."""
+    from gpukit.lessons.sizes import REHEARSAL_ON_FAKE_TENSORS
+
+    path = notebook(
+        tmp_path,
+        "import torch, gpukit\ncuda = gpukit.SimulatedCuda()\nsmall = torch.ones(2**20)   # real, 4 MiB",
+        "cuda.reset_peak_memory_stats()\nbig = torch.ones(2**30)   # 4 GiB\nkept = torch.ones(2**20)\n"
+        "assert cuda.memory_allocated() == 4 * 2**30 + 8 * 2**20\ndel big\n"
+        "assert cuda.memory_allocated() == 8 * 2**20",
+        "assert cuda.memory_allocated() == 4 * 2**20 and cuda.max_memory_allocated() == 4 * 2**30 + 8 * 2**20",
+        name="96_card")
+    cell = nbformat.read(path, as_version=4).cells[2]
+    monkeypatch.setitem(REHEARSAL_ON_FAKE_TENSORS, "96_card", {cell.id: "the big one"})
+    row = rehearsal.rehearse(path, "t4", LIMIT)
+    found = (row["status"], row["assertions"], row["failed"], row["errors"])
+    assert found == ("complete", 3, 0, 0), row["first_failure"]
+    assert row["peak_allocated_bytes"] >= 4 * 2**30 and row["fits"] and row["host_peak_bytes"] < 2 * 2**30
+
+
 def test_a_cell_on_fake_tensors_measures_the_bytes_of_the_real_one():
     """Device: cpu. Notebook 10's technique matrix (a model of it: one setup, the techniques whose steps differ most,
     GradScaler's check for inf included) measured on fake tensors as a rehearsal runs it, then for real: the same

@@ -15,7 +15,9 @@ A cell listed in ``gpukit.lessons.sizes.REHEARSAL_ON_FAKE_TENSORS`` runs between
 and storage the real run gives it (``FakeKernelCheck`` corrects the fake kernels that get one wrong), ``measure("cpu")``
 counts the fake CPU tensors, and a simulated allocator of the card follows them beside the real one: the peak
 reserved bytes are the real allocator's at the cell's start plus the fake cell's own peak (blocks the real cache
-holds are not reused: an upper bound). No arithmetic is done, so a value read from a tensor (``.item()``) is made up:
+holds are not reused: an upper bound). Where the lesson made its own simulated card (``cuda =
+gpukit.SimulatedCuda()``), that card places them beside its real tensors instead, as ``on_card`` does, so that
+``cuda.memory_allocated()`` and its peaks count them as a GPU's would. No arithmetic is done, so a value read from a tensor (``.item()``) is made up:
 ``False``, ``0`` or ``0.0`` (no inf found, nothing out of range, as in healthy training), and counted.
 """
 
@@ -58,7 +60,10 @@ class _Counter:
         if device is not None:
             stats = device.allocator.memory_stats()
             self.peak_allocated = max(self.peak_allocated, stats["allocated_bytes.all.peak"])
-            self.real_peak_allocated = max(self.real_peak_allocated, stats["allocated_bytes.all.peak"])
+            if self.fake is None:  # a fake cell's tensors take no host RAM; once one was on the lesson's card, its
+                # peak statistic counts them, and the real tensors' level now is what is known of theirs
+                real = stats["allocated_bytes.all.current" if self.fakes_on_card else "allocated_bytes.all.peak"]
+                self.real_peak_allocated = max(self.real_peak_allocated, real)
             self.peak_reserved = max(self.peak_reserved, stats["reserved_bytes.all.peak"])
         if self.progress is not None:  # what a runner that has to kill this kernel still learns
             import os
@@ -80,14 +85,16 @@ class _Counter:
     # reserved bytes at its start. ``made_up``: the values read from fake tensors, made up, in every such cell.
     fake: tuple | None = None
     made_up = 0
+    fakes_on_card = False  # a fake cell ran on the lesson's own simulated card (``cuda = gpukit.SimulatedCuda()``)
 
     def fake_begin(self) -> None:
         from gpukit._torch import FakeTensorMode
-        from gpukit.allocator import cpu_device, follow
+        from gpukit.allocator import SimulatedDevice, cpu_device, follow
         from gpukit.counter import FAKE_LEDGER
         from gpukit.factories import swappable_fakes
         from gpukit.fakecheck import FakeKernelCheck
         from gpukit.meter import measure
+        from gpukit.simulated import simulated_cuda
 
         if self.fake is not None:
             raise RuntimeError("a cell on fake tensors is already open")
@@ -103,10 +110,24 @@ class _Counter:
             stack.enter_context(swappable_fakes(mode))  # model.to(...) of a fake model (gpukit.factories)
             stack.enter_context(FakeKernelCheck())
             values = stack.enter_context(_HealthyValues())
-            simulated = stack.enter_context(follow(FAKE_LEDGER))  # no capacity: what it reserves, whatever its size
-            tally = FAKE_LEDGER.start()
-            stack.callback(FAKE_LEDGER.stop, tally)
-            watch = simulated.watch()
+            card = simulated_cuda()
+            if card is None:
+                simulated = stack.enter_context(follow(FAKE_LEDGER))  # no capacity: what it reserves, whatever its size
+                tally = FAKE_LEDGER.start()
+                stack.callback(FAKE_LEDGER.stop, tally)
+                watch = simulated.watch()
+            else:
+                # The lesson's own simulated card (``cuda = gpukit.SimulatedCuda()``) places the fake tensors beside
+                # its real ones, as ``on_card`` does: ``cuda.memory_allocated()`` and its peaks count them, as a GPU's
+                # would, and the card's reserved peak is read after the cell.
+                simulated = watch = None
+                tally = FAKE_LEDGER.start()
+                stack.callback(FAKE_LEDGER.stop, tally)
+                placing = SimulatedDevice(allocator=card.allocator, lazy=False)
+                placing.attach(FAKE_LEDGER, place=False)
+                card._device.also = placing  # the card read up to date after a del, as in an on_card() block
+                stack.callback(_release, card, placing)
+                self.fakes_on_card = True
         except BaseException:
             stack.close()
             raise
@@ -118,11 +139,26 @@ class _Counter:
         stack, simulated, watch, tally, values, allocated, reserved = self.fake
         self.fake = None
         try:
-            self.peak_reserved = max(self.peak_reserved, reserved + simulated.unwatch(watch))
+            if simulated is not None:
+                self.peak_reserved = max(self.peak_reserved, reserved + simulated.unwatch(watch))
         finally:
             stack.close()
         self.peak_allocated = max(self.peak_allocated, allocated + tally.peak)
         self.made_up += sum(values.made_up.values())
+
+
+def _release(card, device) -> None:
+    """A fake cell's end on the lesson's card: the fake tensors still referenced leave it, as ``on_card``'s do at
+    its block's end; the peaks they reached stay in its statistics."""
+    from gpukit.counter import FAKE_LEDGER
+
+    FAKE_LEDGER.settle()  # tensors that died in the cell are freed in their order first
+    card._device.also = None
+    device.detach()
+    alloc = device.allocator
+    for addr in list(device.addr.values())[::-1]:
+        alloc.free(addr)
+    device.addr.clear()
 
 
 class _CountAsserts(ast.NodeTransformer):
