@@ -112,6 +112,20 @@ def test_a_cell_on_fake_tensors_is_placed_on_the_lessons_own_simulated_card(tmp_
     assert row["peak_allocated_bytes"] >= 4 * 2**30 and row["fits"] and row["host_peak_bytes"] < 2 * 2**30
 
 
+def test_a_peak_the_lesson_resets_within_a_cell_still_counts(tmp_path):
+    """Device: cpu; a T4 simulated by the lesson itself. A cell that measures two steps, each after
+    cuda.reset_peak_memory_stats(), is rehearsed with the larger peak, not the last one's."""
+    path = notebook(
+        tmp_path,
+        "import torch, gpukit\ncuda = gpukit.SimulatedCuda()",
+        "cuda.reset_peak_memory_stats()\nx = torch.empty(2**28)   # 1 GiB, never written\ndel x\n"
+        "cuda.reset_peak_memory_stats()\ny = torch.empty(2**20)\nassert cuda.max_memory_allocated() == 4 * 2**20",
+        name="95_resets")
+    row = rehearsal.rehearse(path, "t4", LIMIT)
+    assert (row["status"], row["assertions"], row["failed"], row["errors"]) == ("complete", 1, 0, 0)
+    assert row["peak_allocated_bytes"] >= 2**30 and row["peak_reserved_bytes"] >= 2**30
+
+
 def test_a_cell_on_fake_tensors_measures_the_bytes_of_the_real_one():
     """Device: cpu. Notebook 10's technique matrix (a model of it: one setup, the techniques whose steps differ most,
     GradScaler's check for inf included) measured on fake tensors as a rehearsal runs it, then for real: the same

@@ -205,6 +205,27 @@ def install(progress: str | None = None) -> None:
     shell.user_ns["__gpukit_rehearsal__"] = counter
     shell.ast_transformers.append(_CountAsserts(shell))
     shell.events.register("post_run_cell", counter.after_cell)
+    _keep_peaks_across_resets(counter)
+
+
+def _keep_peaks_across_resets(counter: _Counter) -> None:
+    """A lesson resets the card's peaks before each step it measures (``cuda.reset_peak_memory_stats()``), often
+    several times in one cell: the card's allocator hands its peaks so far to the counter first, so that the largest
+    step of a cell is not lost to the next one's reset. Only the CPU's simulated card (``cpu_device()``, a lesson's
+    ``SimulatedCuda`` included) counts: a prediction's allocator is another's."""
+    from gpukit.allocator import CachingAllocator, cpu_device
+
+    reset = CachingAllocator.reset_peak_stats
+
+    def reset_peak_stats(alloc: CachingAllocator) -> None:
+        device = cpu_device()
+        if device is not None and device._alloc is alloc:
+            stats = alloc.memory_stats()
+            counter.peak_allocated = max(counter.peak_allocated, stats["allocated_bytes.all.peak"])
+            counter.peak_reserved = max(counter.peak_reserved, stats["reserved_bytes.all.peak"])
+        reset(alloc)
+
+    CachingAllocator.reset_peak_stats = reset_peak_stats
 
 
 def report() -> None:
