@@ -22,8 +22,8 @@ repeats them asserts a time); the table's ``shortened`` column names them. The c
 ``gpukit.lessons.sizes.REHEARSAL_ON_FAKE_TENSORS`` (arithmetic of hours here, assertions on memory alone) run on fake
 tensors, with the card's allocator (gpukit.lessons.rehearsal): the ``fake_cells`` column names them and
 ``made_up_values`` counts the values read from tensors there. Writes ``data/rehearsals/<card>.csv``, one row per
-notebook, and exits non-zero if an assertion failed, a cell raised, a lesson did not fit or was not rehearsed to its
-end.
+notebook (docs/rehearsals.md sums the tables up), and exits non-zero if an assertion failed, a cell raised, a lesson
+did not fit or was not rehearsed to its end.
 """
 
 from __future__ import annotations
@@ -213,8 +213,11 @@ def kill_tree(pid: int) -> None:
 START, END = "<!-- rehearsals:start -->", "<!-- rehearsals:end -->"
 
 
-def readme_section(folder: Path | None = None) -> str:
-    """The README's summary of the recorded tables: per card, one line per notebook."""
+PAGE = ROOT / "docs" / "rehearsals.md"  # the page that sums the tables up, between START and END
+
+
+def rehearsals_section(folder: Path | None = None) -> str:
+    """docs/rehearsals.md's summary of the recorded tables: per card, one line per notebook."""
     folder = folder or OUT
     lines = []
     for table in sorted(folder.glob("*.csv"), key=lambda p: (p.stem != "cpu", p.stem)):
@@ -241,15 +244,17 @@ def readme_section(folder: Path | None = None) -> str:
     return "\n".join(lines).strip()
 
 
-def write_readme(readme: Path | None = None) -> None:
-    """Replace what lies between the README's rehearsal markers with ``readme_section()``."""
-    readme = readme or ROOT / "README.md"
-    text = readme.read_text()
+def write_rehearsals_page(page: Path | None = None) -> None:
+    """Replace what lies between docs/rehearsals.md's markers with ``rehearsals_section()``."""
+    page = page or PAGE
+    if not page.is_file():
+        return  # no docs/ (an installed copy): nothing to update
+    text = page.read_text()
     if text.count(START) != 1 or text.count(END) != 1:
-        return  # a README without the section (an installed copy): nothing to update
+        return  # a page without the section: nothing to update
     head, rest = text.split(START)
     _, tail = rest.split(END)
-    readme.write_text(f"{head}{START}\n{readme_section()}\n{END}{tail}")
+    page.write_text(f"{head}{START}\n{rehearsals_section()}\n{END}{tail}")
 
 
 def write_table(table: Path, rows: dict[str, dict]) -> None:
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"\n     {row['first_failure']}" if row["first_failure"] else ""), flush=True)
     print(f"written: {table}")
     if OUT == ROOT / "data" / "rehearsals":
-        write_readme()
+        write_rehearsals_page()
     return 1 if bad else 0
 
 

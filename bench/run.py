@@ -1,9 +1,9 @@
-"""Run gpukit's benchmarks: `python3 kit.py bench [NAME ...] [--record] [--readme] [--threads N]`.
+"""Run gpukit's benchmarks: `python3 kit.py bench [NAME ...] [--record] [--results-page] [--threads N]`.
 
     python3 kit.py bench                       every benchmark: bench/out/NAME.csv each, then bench/out/summary.txt
     python3 kit.py bench exactness techniques  only those
     python3 kit.py bench techniques --record   also keep the technique matrix as data/runs/<machine>.csv
-    python3 kit.py bench --readme              only rewrite README.md's results section (and docs/results.png)
+    python3 kit.py bench --results-page        only rewrite docs/results.md's results section (and docs/results.png)
                                                from bench/out/ and data/runs/; after NAMEs: run them first
     python3 kit.py bench --threads 0           torch's intra-op threads, here and in the notebooks' kernels
                                                (default 1; 0: torch's own default, one per core); CSVs record them
@@ -46,11 +46,11 @@ def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python3 kit.py bench", description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run, of {BENCHMARKS} (default: all)")
     parser.add_argument("--record", action="store_true", help="keep the technique matrix in data/runs/")
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md's results section")
+    parser.add_argument("--results-page", action="store_true", help="rewrite docs/results.md's results section")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads (default 1; 0: torch's default, one per core)")
     opts = parser.parse_args(args)
-    names, record, readme = opts.names, opts.record, opts.readme
+    names, record, page = opts.names, opts.record, opts.results_page
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
@@ -62,7 +62,7 @@ def main(args: list[str]) -> int:
         torch.set_num_threads(opts.threads)
         os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # for the notebooks' kernels
     if not names:
-        names = ["techniques"] if record else [] if readme else BENCHMARKS
+        names = ["techniques"] if record else [] if page else BENCHMARKS
     t0 = time.perf_counter()
     lines = []
     for name in names:
@@ -72,10 +72,10 @@ def main(args: list[str]) -> int:
         lines += module.summary(rows)
     if names:
         print(f"== summary\n{write_summary(lines, time.perf_counter() - t0)}", end="", flush=True)
-    if readme:
-        import readme as results_section
+    if page:
+        import results_page
 
-        print(f"== readme: rewrote {results_section.main()}", flush=True)
+        print(f"== results page: rewrote {results_page.main()}", flush=True)
     return 0
 
 

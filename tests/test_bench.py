@@ -1,4 +1,4 @@
-"""The benchmarks' machinery: the technique matrix, recorded runs in data/runs/, and the README's results section."""
+"""The benchmarks' machinery: the technique matrix, recorded GPU runs in data/runs/, and docs/results.md."""
 
 import importlib.util
 import shutil
@@ -156,7 +156,7 @@ def test_every_committed_run_names_its_machine(tmp_path, matrix):
         load_runs(tmp_path)
 
 
-# -- plots and the README ------------------------------------------------------------------------
+# -- plots and the results page ------------------------------------------------------------------
 
 
 def test_the_bars_are_the_matrix_figures(matrix):
@@ -169,21 +169,25 @@ def test_the_bars_are_the_matrix_figures(matrix):
         plots.technique_bars([{**rows[0], "peak_bytes": None}], "peak_bytes")
 
 
-def test_the_readme_generator_replaces_only_its_section():
-    readme = load_bench("readme")
-    text = f"# title\nbefore\n{readme.START}\nold table\n{readme.END}\nafter\n"
-    new = readme.replace_section(text, "new table")
-    assert new == f"# title\nbefore\n{readme.START}\nnew table\n{readme.END}\nafter\n"
-    assert readme.replace_section(new, "new table") == new
-    for broken in ("no markers", f"{readme.END}\n{readme.START}", f"{readme.START}{readme.START}{readme.END}"):
+def test_the_results_page_generator_replaces_only_its_section():
+    page = load_bench("results_page")
+    text = f"# title\nbefore\n{page.START}\nold table\n{page.END}\nafter\n"
+    new = page.replace_section(text, "new table")
+    assert new == f"# title\nbefore\n{page.START}\nnew table\n{page.END}\nafter\n"
+    assert page.replace_section(new, "new table") == new
+    for broken in ("no markers", f"{page.END}\n{page.START}", f"{page.START}{page.START}{page.END}"):
         with pytest.raises(ValueError):
-            readme.replace_section(broken, "x")
+            page.replace_section(broken, "x")
 
 
-def test_the_readme_has_its_results_section():
-    readme = load_bench("readme")
-    text = (ROOT / "README.md").read_text()
-    assert text.count(readme.START) == 1 and text.count(readme.END) == 1
+def test_the_results_page_has_its_results_section_and_its_plot_beside_it():
+    page = load_bench("results_page")
+    assert page.PAGE == ROOT / "docs" / "results.md"
+    text = page.PAGE.read_text()
+    assert text.count(page.START) == 1 and text.count(page.END) == 1
+    section = text.split(page.START)[1].split(page.END)[0]
+    assert "](results.png)" in section and (page.PAGE.parent / "results.png").is_file()
+    assert page.START not in (ROOT / "README.md").read_text()
 
 
 def test_recording_needs_the_technique_matrix():

@@ -1,4 +1,4 @@
-"""The README's table of the source articles' tips points at the cells that teach them.
+"""docs/source-articles.md's table of the source articles' tips points at the cells that teach them.
 
 The table names notebook sections by number and cells by position ("00: 2. allocated vs reserved (18-24)").
 Moving or adding a cell shifts those positions silently; these tests read the notebooks and fail when a
@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "### Every tip of the source articles"
+PAGE = ROOT / "docs" / "source-articles.md"
+HEADING = "# Every tip of the source articles"
 
 
-def tip_rows(readme: str) -> list[tuple[str, str, str]]:
+def tip_rows(page: str) -> list[tuple[str, str, str]]:
     """(tip, notebooks, sections) for each row of the tips table."""
-    start = readme.index(HEADING)
-    end = readme.find("\n#", start + len(HEADING))
+    start = page.index(HEADING)
+    end = page.find("\n#", start + len(HEADING))
     rows = []
-    for line in readme[start:end if end > 0 else None].splitlines():
+    for line in page[start:end if end > 0 else None].splitlines():
         if not line.startswith("| ") or line.startswith("| tip ") or line.startswith("| ---"):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
@@ -101,7 +102,7 @@ def check(notebooks_dir: Path, rows) -> list[str]:
 
 
 def test_every_cell_range_of_the_tips_table_is_where_its_section_is():
-    rows = tip_rows((ROOT / "README.md").read_text())
+    rows = tip_rows(PAGE.read_text())
     assert len(rows) >= 20
     assert check(ROOT / "notebooks", rows) == []
 

@@ -189,11 +189,25 @@ def test_the_table_is_written_and_a_failure_makes_the_command_fail(tmp_path, mon
         rehearsal.main(["--card", "t4", str(tmp_path / "missing.ipynb")])
 
 
-def test_the_readme_sums_up_the_recorded_tables():
-    """Device: none. The README's rehearsal section is what the committed tables say (kit.py rehearse writes it)."""
-    text = (rehearsal.ROOT / "README.md").read_text()
+def test_the_rehearsals_page_sums_up_the_recorded_tables():
+    """Device: none. docs/rehearsals.md's section is what the committed tables say (kit.py rehearse writes it)."""
+    text = rehearsal.PAGE.read_text()
     section = text.split(rehearsal.START)[1].split(rehearsal.END)[0].strip()
-    assert section == rehearsal.readme_section() and "**t4**" in section and "**cpu**" in section
+    assert section == rehearsal.rehearsals_section() and "**t4**" in section and "**cpu**" in section
+
+
+def test_the_rehearsals_page_is_rewritten_between_its_markers_only(tmp_path):
+    """Device: none. Text around the markers stays; a page without them, or no page, is left as it is."""
+    page = tmp_path / "rehearsals.md"
+    page.write_text(f"# title\nbefore\n{rehearsal.START}\nold\n{rehearsal.END}\nafter\n")
+    rehearsal.write_rehearsals_page(page)
+    assert page.read_text() == (f"# title\nbefore\n{rehearsal.START}\n{rehearsal.rehearsals_section()}\n"
+                                f"{rehearsal.END}\nafter\n")
+    page.write_text("no markers\n")
+    rehearsal.write_rehearsals_page(page)
+    assert page.read_text() == "no markers\n"
+    rehearsal.write_rehearsals_page(tmp_path / "missing.md")
+    assert not (tmp_path / "missing.md").exists()
 
 
 def test_each_notebook_runs_in_a_runner_of_its_own_and_a_hung_one_is_killed_with_its_children(tmp_path):
