@@ -294,6 +294,18 @@ class _MathAttention(TorchFunctionMode):
             dtype = torch.get_autocast_dtype("cpu")
         shapes = [SimpleNamespace(shape=given[n].shape, dtype=dtype) for n in names[:3]]
         if sdpa_backend(*shapes, given.get("attn_mask") is not None, self.capability) != "math":
+            dropout = kwargs["dropout_p"] if "dropout_p" in kwargs else (args[4] if len(args) > 4 else 0.0)
+            if dropout:
+                # CUDA's flash and memory-efficient kernels take dropout (sdp_utils.cpp: no dropout check among their
+                # constraints) and keep no mask: the kernel draws it again in backward from a philox seed and
+                # offset (attention.cu, _efficient_attention_forward: CPU scalars outside graph capture). The CPU's
+                # flash kernel refuses dropout (sdp_utils_cpp.cpp, check_for_dropout), so torch would decompose the
+                # call into the math path and its (batch, heads, queries, keys) matrices, which the card never
+                # makes. The call runs without dropout: the same outputs and saved tensors as the card's kernel.
+                if "dropout_p" in kwargs:
+                    kwargs = {**kwargs, "dropout_p": 0.0}
+                else:
+                    args = (*args[:4], 0.0, *args[5:])
             return func(*args, **kwargs)
         self.counts["math"] = self.counts.get("math", 0) + 1
         with sdpa_kernel(SDPBackend.MATH):

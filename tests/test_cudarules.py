@@ -231,3 +231,30 @@ def test_an_op_cuda_autocast_runs_in_float32_is_flagged_where_cpu_autocast_did_n
     assert not predict(with_norm, adamw, _small_batch, device="cuda").lower_bound  # float32 throughout
     assert not predict(with_norm, adamw, _small_batch, step=_amp_step, device="cpu").lower_bound  # CPU's own rules
     assert torch.amp.autocast_mode.autocast.__enter__ is enter
+
+
+def test_attention_dropout_in_training_runs_the_cards_fused_kernel_not_the_cpus_math_path():
+    """Device: cpu, predicting a T4 and an H100. BERT trains with attention dropout 0.1. CUDA's memory-efficient and
+    flash kernels take dropout and keep no mask (sdp_utils.cpp; attention.cu draws it again in backward from a philox
+    seed and offset, CPU scalars outside graph capture); the CPU's flash kernel refuses dropout, and torch would
+    decompose the call into the math path with its (batch, heads, queries, keys) matrices. Under a card's rules the
+    step with dropout holds what the step without it holds, in the kernel the card has."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    def step(model, optimizer, batch):
+        model(input_ids=batch[0], labels=batch[1]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def bert(dropout):
+        config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, attention_probs_dropout_prob=dropout, num_labels=2)
+        return lambda: AutoModelForSequenceClassification.from_config(config)
+
+    batch = lambda: (torch.randint(0, 512, (4, 128)), torch.randint(0, 2, (4,)))
+    t4 = {d: predict(bert(d), torch.optim.AdamW, batch, step, card="t4", breakdown=False) for d in (0.0, 0.1)}
+    assert t4[0.1].attention_kernels == t4[0.0].attention_kernels == {"efficient": 4}
+    assert t4[0.1].peak == t4[0.0].peak
+    # The CPU's own rules: with dropout the math path, which keeps each layer's 4 x 2 x 128 x 128 attention matrix.
+    cpu = {d: predict(bert(d), torch.optim.AdamW, batch, step, breakdown=False) for d in (0.0, 0.1)}
+    assert cpu[0.1].step_peak - cpu[0.0].step_peak >= 4 * 2 * 128 * 128 * 4
