@@ -103,13 +103,28 @@ def case_05(s):  # the float32 model, the larger of the two
 
 
 def case_06(s):  # every part on the GPU: the embedding table, its gradient and Adam's state there
-    scope = definitions("07_cpu_offload", 3, {**s, "nn": nn, "CUDA": False, "HOST": torch.device("cpu")})
     cpu = torch.device("cpu")
+    scope = definitions("07_cpu_offload", 2, {**s, "nn": nn, "F": nn.functional, "torch": torch, "DEVICE": cpu})
+    definitions("07_cpu_offload", 3, scope)  # forward and train_step
+
+    def make_model():
+        table, net, _ = scope["make_model"](cpu)
+        return nn.ModuleDict({"table": table, "net": net})
 
     def make_batch():
-        return torch.randint(0, s["BUCKETS"], (s["BATCH"], 56)), torch.randint(0, 10, (s["BATCH"],))
+        return torch.randint(0, s["ROWS"], (s["BATCH"], 56)), torch.randint(0, 10, (s["BATCH"],))
 
-    return (lambda: scope["BagModel"](cpu, cpu, s["BUCKETS"])), make_batch
+    def step(model, optimizer, batch):  # the notebook's train_step, with the optimizer predict() is given
+        scope["train_step"](model.table, model.net, [optimizer], *batch)
+
+    return make_model, make_batch, step
+
+
+def table_and_network_adam(params):
+    """Notebook 07's two Adams, as one with a group each: the table's (its one parameter, first), the network's.
+    Each group steps apart, as each of the notebook's optimizers does."""
+    params = list(params)
+    return torch.optim.Adam([{"params": params[:1]}, {"params": params[1:]}])
 
 
 def case_07(s):  # the batch the notebook shows failing under its budget: the card itself must hold it
@@ -148,6 +163,47 @@ def test_the_big_batch_of_notebook_07_is_over_its_budget_on_the_card(card, monke
     make_model, make_batch = case_07(settings)
     p = predict(make_model, adam, make_batch, card=card)
     assert p.peak > gpukit.parse_bytes(settings["BUDGET"])
+
+
+def test_notebook_07s_gpu_side_is_on_the_simulated_t4_with_the_bytes_predicted(monkeypatch):
+    """Device: cpu (the notebook's own simulated T4, its GPU side on meta beside the host, fake tensors), as a T4
+    rehearsal runs it. The notebook's measure() at a T4's sizes: with everything on the GPU the step reaches the peak
+    predict(card="t4") gives it, less what a prediction, which has no host, puts on the GPU besides: the batch (the
+    notebook makes it on the host and copies it) and Adam's step counters; the allocator a rehearsal reads
+    (cpu_device()) saw that peak, not 0; the table on the host takes exactly three tables off the card between
+    steps; and an H100's table (4 GiB, 16 with its gradient and Adam's moments) with everything on the GPU does not
+    fit the T4, while on the host it does."""
+    from gpukit.allocator import cpu_device, reset_cpu_device
+    from gpukit.lessons.sizes import REHEARSE_VAR, SIZES
+
+    monkeypatch.setenv(REHEARSE_VAR, "t4")
+    scope: dict = {}
+    try:
+        for cell in code_cells("07_cpu_offload")[1:5]:  # settings, the model, forward and step, measure()
+            exec("\n".join(line for line in cell.splitlines() if not line.startswith("%")), scope)
+        cuda, device, host = scope["cuda"], scope["DEVICE"], scope["HOST"]
+        assert isinstance(cuda, gpukit.SimulatedCuda) and cuda.card.key == "t4" and device.type == "meta"
+        table = scope["TABLE_BYTES"]
+        on_gpu = scope["measure"](device)
+        assert cpu_device() is cuda._device   # the allocator a rehearsal reads
+        assert cpu_device().allocator.memory_stats()["allocated_bytes.all.peak"] == on_gpu["GPU peak"] > 4 * table
+        on_host = scope["measure"](host)
+        assert on_gpu["GPU between steps"] - on_host["GPU between steps"] == 3 * table
+
+        make_model, make_batch, step = case_06(scope["S"].sizes)
+        predicted = predict(make_model, table_and_network_adam, make_batch, step, card="t4", breakdown=False)
+        batch = sum(gpukit.allocated_size(t.nbytes) for t in make_batch())
+        steps = 512 * 7  # Adam's step counters (the table's weight, 3 weights, 3 biases), on the host on CUDA
+        assert batch <= predicted.peak - on_gpu["GPU peak"] <= batch + steps, (predicted.peak, on_gpu["GPU peak"])
+
+        scope["ROWS"] = SIZES["07_cpu_offload"]["h100"]["ROWS"]
+        with pytest.raises(torch.OutOfMemoryError, match="simulated NVIDIA T4"):
+            scope["measure"](device)
+        assert scope["measure"](host)["GPU peak"] < 2 * 2**30
+    finally:
+        if "cuda" in scope:
+            scope["cuda"].close()
+        reset_cpu_device()
 
 
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
