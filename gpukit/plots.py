@@ -198,6 +198,7 @@ def snapshot_timeline(snapshot: dict, ax=None, max_elements: int = 200, title: s
     summarized = 0
     t = 0
     top_at: list[tuple[int, int]] = []  # (time, total live) after each step
+    grey: list[tuple[int, int, int]] = []  # (time, shown bands' top, summarized bytes) after each step
 
     def total() -> int:
         return sum(elements[j] for j in stack) + summarized
@@ -208,6 +209,7 @@ def snapshot_timeline(snapshot: dict, ax=None, max_elements: int = 200, title: s
             stack.append(i)
         else:
             summarized += elements[i]
+    grey.append((t, sum(elements[j] for j in stack), summarized))
     live = set(starts)
     for i in actions:
         if i not in live:  # an allocation
@@ -234,6 +236,7 @@ def snapshot_timeline(snapshot: dict, ax=None, max_elements: int = 200, title: s
                 summarized -= elements[i]
         t += 2
         top_at.append((t, total()))
+        grey.append((t, sum(elements[j] for j in stack), summarized))
     for j in stack:
         times, offsets = bands[j]
         times.append(t)
@@ -250,6 +253,9 @@ def snapshot_timeline(snapshot: dict, ax=None, max_elements: int = 200, title: s
         low = [o / size for o in offsets]
         high = [(o + elements[i]) / size for o in offsets]
         ax.fill_between(xs, low, high, step=None, color=colours[i % len(colours)], linewidth=0)
+    if any(g[2] for g in grey):  # the smaller allocations, one grey band on top of the shown ones
+        ax.fill_between([g[0] for g in grey], [g[1] / size for g in grey], [(g[1] + g[2]) / size for g in grey],
+                        step="pre", color="lightgrey", linewidth=0)
     if top_at:
         ax.axhline(peak / size, color="black", linestyle="--", linewidth=0.8,
                    label=f"peak of live allocations: {peak / size:.2f} {unit}")

@@ -289,6 +289,26 @@ def test_the_timeline_plot_draws_the_snapshot_peak(cuda):
         snapshot_timeline({"segments": [], "device_traces": [[]]})
 
 
+def test_the_timeline_plot_draws_the_allocations_it_summarizes(cuda):
+    """Device: cpu. Past max_elements the smaller allocations are one grey band on top of the largest ones, as
+    memory_viz draws them: the drawn areas reach the peak, and a step made of small allocations alone is not blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from gpukit.plots import snapshot_timeline
+
+    cuda.memory._record_memory_history()
+    big = torch.empty(4000)
+    small = [torch.empty(1000) for _ in range(3)]  # 4,000 B each: summarized beside the 16,000 B one
+    snap = cuda.memory._snapshot()
+    cuda.memory._record_memory_history(enabled=None)
+    ax = snapshot_timeline(snap, max_elements=1)
+    top = max(path.vertices[:, 1].max() for c in ax.collections for path in c.get_paths())
+    assert "27.34 KiB" in ax.get_legend().get_texts()[0].get_text()  # 16,000 + 3 x 4,000 B live together
+    assert top * 1024 == pytest.approx(28_000)
+    del big, small
+
+
 def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda):
     """Device: cpu."""
     claim(2 > 1, "two is more than one")
