@@ -45,13 +45,17 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "gpu": {"WIDTH": 4096, "BATCH": 32768, "SPEED_BATCH": 8192, "SPEED_STEPS": 20},
     },
     "04_gradient_accumulation": {
-        "cpu": {"BATCH": 512, "WIDTH": 256},
-        "gpu": {"BATCH": 65536, "WIDTH": 2048},
+        # Activations (3 x batch x width floats) at least six times the gradients (2 x width^2), so that the
+        # exercise's 8 micro-batches fit half the whole batch's step by the lesson's own bound (2A/k + G).
+        "cpu": {"BATCH": 2048, "WIDTH": 256},
+        "gpu": {"BATCH": 65536, "WIDTH": 1024},
     },
     "05_gradient_checkpointing": {
-        # TIME_SHAPES: (width, batch, repeats) of the timed steps: the training run's shape, and a wider one
-        "cpu": {"WIDTH": 128, "BATCH": 1024, "TIME_SHAPES": [(128, 128, 30), (256, 512, 15)]},
-        "gpu": {"WIDTH": 2048, "BATCH": 8192, "TIME_SHAPES": [(2048, 128, 30), (2048, 8192, 20)]},
+        # 64 blocks keep 2 GiB on a GPU. A block's gradient (4 width^2 bytes) at most a sixteenth of its
+        # activations (8 batch x width bytes): the exercise's 8 segments of 64 blocks, which hold 23 blocks'
+        # activations and the gradients, then fit half the plain step's 64. TIME_REPEATS: timed steps, each way.
+        "cpu": {"WIDTH": 128, "BATCH": 1024, "TIME_REPEATS": 5},
+        "gpu": {"WIDTH": 512, "BATCH": 8192, "TIME_REPEATS": 20},
     },
     "06_half_with_float_batchnorm": {
         "cpu": {"CHANNELS": 16, "BATCH": 512},
@@ -85,11 +89,11 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 # What a rehearsal on the CPU shortens: repetitions of timed steps, whose times on this CPU say nothing of the card's
-# and which, at a card's sizes, take most of a rehearsal (a T4's 20 timed steps of notebook 05 take an hour on two
-# cores). Nothing else changes: the memory a lesson measures and every assertion it makes are the card's (no cell that
-# repeats these steps asserts a time). Each entry keeps at least two repetitions: the lessons take quartiles.
+# and which, at a card's sizes, take much of a rehearsal. Nothing else changes: the memory a lesson measures and every
+# assertion it makes are the card's (no cell that repeats these steps asserts a time). Each entry keeps at least two
+# repetitions: the lessons take the median of all but the first.
 REHEARSAL_REPEATS: dict[str, dict[str, Any]] = {
-    "05_gradient_checkpointing": {"TIME_SHAPES": lambda shapes: [(width, batch, 2) for width, batch, _ in shapes]},
+    "05_gradient_checkpointing": {"TIME_REPEATS": 2},
 }
 
 # Cells a rehearsal runs on fake tensors (gpukit.lessons.rehearsal.fake_begin), by the cell's id in the notebook: the
