@@ -65,12 +65,15 @@ tells the GPU from the host, places them on the host.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import re
 import threading
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -281,11 +284,42 @@ class _MathAttention(TorchFunctionMode):
     def __init__(self, capability: tuple[int, int], counts: dict[str, int]) -> None:
         super().__init__()
         self.capability, self.counts = capability, counts
+        self._applying = threading.local()  # set while a call runs under the rule (not decided twice)
+
+    # A torch-function mode is off while it handles a call, and so through all of ``loss.backward()``: a checkpoint
+    # recomputes its forward inside backward, where the mode would not see the attention, and the CPU would pick
+    # another kernel than the forward did (torch.utils.checkpoint then refuses the recomputed tensors). So
+    # torch.nn.functional's name for the call also goes through the rule while the mode is open, as models call it
+    # (transformers' sdpa_attention_forward, nn.MultiheadAttention's functional path).
+    def __enter__(self):
+        self._named = F.scaled_dot_product_attention
+        named = self._named
+        F.scaled_dot_product_attention = functools.wraps(SDPA)(lambda *args, **kwargs: self.apply(named, args, kwargs))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            F.scaled_dot_product_attention = self._named
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not SDPA:
+        if func is not SDPA or getattr(self._applying, "on", False):
             return func(*args, **kwargs)
+        return self.apply(func, args, kwargs)
+
+    def apply(self, func, args, kwargs):
+        """Run the attention ``func(*args, **kwargs)`` as the card's kernel would: see the class."""
+        if getattr(self._applying, "on", False):
+            return func(*args, **kwargs)
+        self._applying.on = True
+        try:
+            return self._apply(func, args, dict(kwargs))
+        finally:
+            self._applying.on = False
+
+    def _apply(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask")
         given = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
         query = given["query"]

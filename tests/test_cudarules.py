@@ -258,3 +258,30 @@ def test_attention_dropout_in_training_runs_the_cards_fused_kernel_not_the_cpus_
     # The CPU's own rules: with dropout the math path, which keeps each layer's 4 x 2 x 128 x 128 attention matrix.
     cpu = {d: predict(bert(d), torch.optim.AdamW, batch, step, breakdown=False) for d in (0.0, 0.1)}
     assert cpu[0.1].step_peak - cpu[0.0].step_peak >= 4 * 2 * 128 * 128 * 4
+
+
+def test_a_checkpointed_forward_recomputed_in_backward_takes_the_same_attention_kernel():
+    """Device: cpu, predicting a T4. A checkpoint recomputes its forward inside backward, where a torch-function mode
+    is off (it is handling the backward call); the CPU would then pick another kernel than the forward did, and
+    torch.utils.checkpoint refuses recomputed tensors of other shapes. With dropout (the card's fused kernel) and in
+    bfloat16 (a T4's math path), the recompute takes the forward's kernel: every call is counted, the step runs."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    def step(model, optimizer, batch):
+        with torch.autocast("cpu", dtype=batch[2]):
+            loss = model(input_ids=batch[0], labels=batch[1]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def bert():
+        config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, attention_probs_dropout_prob=0.1, num_labels=2)
+        model = AutoModelForSequenceClassification.from_config(config)
+        model.gradient_checkpointing_enable()
+        return model
+
+    for dtype, kernel in ((torch.float32, "efficient"), (torch.bfloat16, "math")):
+        batch = lambda: (torch.randint(0, 512, (4, 128)), torch.randint(0, 2, (4,)), dtype)
+        p = predict(bert, torch.optim.AdamW, batch, step, card="t4", breakdown=False)
+        assert p.attention_kernels == {kernel: 8}  # 2 layers, forward and recompute, warm-up step and step
