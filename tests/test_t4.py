@@ -49,6 +49,7 @@ def gpu_settings(name, monkeypatch, card="t4"):
     with monkeypatch.context() as m:  # for this cell only: the predictions run on a CUDA build as on a CPU one
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+        m.setattr(torch.cuda, "get_device_name", lambda *a: device_name)  # measured_on(cuda) names the card
         m.setattr(gpukit, "warm_up", lambda *a, **k: None)
         m.setattr(torch.cuda, "get_device_properties",
                   lambda *a: SimpleNamespace(name=device_name, total_memory=total_memory, major=major, minor=minor))
