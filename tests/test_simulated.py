@@ -319,5 +319,13 @@ def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda):
         claim(True, 3)
     assert "simulated for an NVIDIA T4 on this CPU" in measured_on(cuda)
     assert "no GPU" in measured_on(torch.cuda)
+
+
+def test_a_gpu_is_named_as_torch_names_it(monkeypatch):
+    """Device: cpu; a T4 stood in for by torch.cuda's answers. Its name as torch gives it ("Tesla T4"), in brackets:
+    no article to get wrong."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert measured_on(torch.cuda) == "measured on this GPU (Tesla T4)"
     with pytest.raises(TypeError):
         measured_on("cuda")

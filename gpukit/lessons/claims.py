@@ -48,7 +48,7 @@ def claim(held: Any, sentence: str) -> None:
 
 
 def measured_on(cuda: Any) -> str:
-    """Where the figures a lesson reads from ``cuda`` come from, in words: "recorded on an NVIDIA T4 (this GPU)", or
+    """Where the figures a lesson reads from ``cuda`` come from, in words: "measured on this GPU (Tesla T4)", or
     "simulated for an NVIDIA T4 on this CPU (gpukit)".
 
     Raises:
@@ -61,7 +61,7 @@ def measured_on(cuda: Any) -> str:
     if cuda is torch.cuda:
         if not torch.cuda.is_available():
             return "nowhere: this machine has no GPU (use gpukit.SimulatedCuda)"
-        return f"measured on this GPU, an {torch.cuda.get_device_name()}"
+        return f"measured on this GPU ({torch.cuda.get_device_name()})"  # "Tesla T4", "NVIDIA H100 80GB HBM3"
     if isinstance(cuda, SimulatedCuda):
         return f"simulated for an {cuda.card.name} on this CPU (gpukit's model of the CUDA caching allocator)"
     raise TypeError(f"measured_on({cuda!r}): pass torch.cuda or a gpukit.SimulatedCuda")
