@@ -28,6 +28,27 @@ def test_each_fix_fits_where_the_defaults_run_out_of_memory_on_the_cpu():
     assert cpu_device().allocator.config.text == ""  # the simulated GPU is left with the default settings
 
 
+def test_a_lessons_simulated_card_sizes_the_runs_and_follows_its_tensors_again_after_them():
+    """Device: cpu (a simulated T4, as notebook 08 makes it). Each run's allocator is the card's size and says it is
+    a simulated T4 in its message; after the runs the card is the CPU's simulated device again, and counts a new
+    tensor."""
+    import gpukit
+
+    cuda = gpukit.SimulatedCuda("t4")
+    try:
+        kept = torch.empty(2**20)  # 4 MiB on the card before the runs
+        row = in_fresh_allocator("", "cpu")
+        assert row["60 MiB again"] == "out of memory"
+        assert row["message"].startswith("[a simulated NVIDIA T4") and "total capacity of 14.58 GiB" in row["message"]
+        assert cpu_device() is cuda._device and cuda.memory_allocated() == 4 * 2**20
+        more = torch.empty(2**20)
+        assert cuda.memory_allocated() == 8 * 2**20
+        del kept, more
+        assert cuda.memory_allocated() == 0
+    finally:
+        cuda.close()
+
+
 def test_on_cuda_each_run_is_a_new_process_started_with_its_settings(monkeypatch):
     """Device: cpu (the process start stood in). The settings travel as PYTORCH_CUDA_ALLOC_CONF, set before
     the child's CUDA starts; the row comes back whole."""

@@ -8,8 +8,8 @@ notebook's process holds memory from earlier cells, whose free blocks would serv
 changing the settings of an allocator that already split big blocks is not the same as starting with them
 (PyTorch 2.11's ``release_available_cached_blocks`` frees cached blocks of ``max_split_size_mb`` or more without
 checking that each is a whole segment, and ``cudaFree`` of a split block's address fails with "invalid argument":
-c10/cuda/CUDACachingAllocator.cpp). On a CPU it is the simulated allocator, started afresh; afterwards the
-notebook's simulated GPU starts afresh too, with the capacity it had (a rehearsed card's).
+c10/cuda/CUDACachingAllocator.cpp). On a CPU it is a simulated allocator started afresh, of the simulated card's
+size and name; afterwards the notebook's simulated card (its ``SimulatedCuda``) follows the process's tensors again.
 
     python -m gpukit.lessons.fragmentation '{"settings": "", ...}'   # one run, its row pickled to stdout
 """
@@ -77,7 +77,8 @@ def fragmentation_run(device: torch.device, empty_cache_after_del: bool = False,
 def in_fresh_allocator(settings: str = "", device: str | torch.device = "cpu", empty_cache_after_del: bool = False,
                        **sizes: int) -> dict:
     """``fragmentation_run`` in an allocator that starts empty with these ``PYTORCH_CUDA_ALLOC_CONF`` settings:
-    a new process on a GPU, the simulated allocator started afresh on a CPU (left with the default settings)."""
+    a new process on a GPU, on a CPU a simulated allocator started afresh, of the simulated card's size (then the card
+    again, as it was)."""
     device = torch.device(device)
     if device.type == "cuda":
         args = json.dumps({"settings": settings, "empty_cache_after_del": empty_cache_after_del, "sizes": sizes,
@@ -88,14 +89,22 @@ def in_fresh_allocator(settings: str = "", device: str | torch.device = "cpu", e
             raise RuntimeError(f"the run with PYTORCH_CUDA_ALLOC_CONF={settings!r} failed:\n{done.stderr[-3000:]}")
         row = pickle.loads(base64.b64decode(done.stdout.strip().splitlines()[-1]))
     else:
-        from gpukit.allocator import cpu_device, reset_cpu_device
+        import gc
 
-        before = cpu_device().allocator  # the card it simulates (a rehearsal's): the device after the run has it too
-        reset_cpu_device(config=settings)
+        from gpukit.allocator import cpu_device, reset_cpu_device, use_cpu_device
+
+        # The card simulated here (a lesson's SimulatedCuda, a rehearsal's): the run's allocator is its size and says
+        # its name, and the card itself follows this process's tensors again afterwards. What it holds dies first
+        # (gc), so that no free of its tensors happens while it is not listening.
+        before = cpu_device()
+        gc.collect()
+        fresh = reset_cpu_device(before.allocator.total_memory, config=settings,
+                                 context_bytes=before.allocator.context_bytes)
+        fresh.allocator.name = before.allocator.name
         try:
             row = fragmentation_run(device, empty_cache_after_del, **sizes)
         finally:
-            reset_cpu_device(before.total_memory, context_bytes=before.context_bytes)
+            use_cpu_device(before, place=False)
     return {"settings": settings or "(defaults)", **row}
 
 
