@@ -207,6 +207,21 @@ def test_notebook_07s_gpu_side_is_on_the_simulated_t4_with_the_bytes_predicted(m
         reset_cpu_device()
 
 
+@pytest.mark.parametrize("card", CARDS)
+def test_notebook_08s_card_step_runs_out_of_memory_until_its_batch_is_quartered(card, monkeypatch):
+    """Device: cpu (fake tensors), predicting each card. Notebook 08 runs out of memory on purpose with its CARD_*
+    step, on the card itself, then halves the batch until it fits: what the step allocates must pass the card at its
+    batch and at half of it, and a quarter of it must fit with headroom, so that the halving ends at a quarter on a
+    real card as on the simulated one (and its exercise's answer is 4 micro-batches)."""
+    s = gpu_settings("08_oom_and_batch_size", monkeypatch, card)
+    make_model = lambda: MLP(n_in=64, width=s["CARD_WIDTH"], depth=s["CARD_DEPTH"])  # noqa: E731
+    memory = CARDS[card][1]
+    half, quarter = (predict(make_model, adam, lambda: (torch.randn(b, 64), torch.randint(0, 10, (b,))), card=card,
+                             breakdown=False) for b in (s["CARD_BATCH"] // 2, s["CARD_BATCH"] // 4))
+    assert half.peak + CONTEXT_ALLOWANCE > memory
+    assert quarter.reserved_peak + CONTEXT_ALLOWANCE <= HEADROOM * memory, quarter.reserved_peak / MiB
+
+
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
     """The same check, on notebook 04's batch eight times over: its activations alone are over 16 GB."""
     settings = gpu_settings("04_gradient_accumulation", monkeypatch)

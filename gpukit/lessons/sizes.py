@@ -73,8 +73,16 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "h100": {"ROWS": 2**22, "EMB": 256, "HIDDEN": 4096, "BATCH": 16384},
     },
     "08_oom_and_batch_size": {
-        "cpu": {"BUDGET": "8MB", "WIDTH": 256, "DEPTH": 2, "BIG_BATCH": 4096},
-        "gpu": {"BUDGET": "1GB", "WIDTH": 2048, "DEPTH": 2, "BIG_BATCH": 65536},
+        # CARD_*: an MLP step that allocates more than the card holds, at its batch and at half of it (a T4: 6 GiB
+        # for one activation), and fits it with headroom at a quarter (tests/test_t4.py): two halvings on a real card
+        # as on the simulated one. The CPU runs the T4's on the simulated card. The others: real steps under a
+        # budget (the batch-size finder, a failed step's clean-up, the leaks).
+        "cpu": {"CARD_WIDTH": 1024, "CARD_DEPTH": 3, "CARD_BATCH": 3 * 2**19,
+                "BUDGET": "8MB", "WIDTH": 256, "DEPTH": 2, "BIG_BATCH": 4096},
+        "t4": {"CARD_WIDTH": 1024, "CARD_DEPTH": 3, "CARD_BATCH": 3 * 2**19,
+               "BUDGET": "1GB", "WIDTH": 2048, "DEPTH": 2, "BIG_BATCH": 65536},
+        "h100": {"CARD_WIDTH": 1024, "CARD_DEPTH": 3, "CARD_BATCH": 5 * 2**21,
+                 "BUDGET": "1GB", "WIDTH": 2048, "DEPTH": 2, "BIG_BATCH": 65536},
     },
     "10_gpu_results": {
         "cpu": {"SIZE": "small", "MAX_SECONDS": 1.5},   # SIZE: gpukit.lessons.techniques.SIZES
