@@ -268,7 +268,7 @@ def test_the_rank_scripts_are_found_as_modules_of_the_package_without_running_th
     """Notebook 09 runs its rank scripts by module name, so that they run wherever gpukit is installed."""
     import importlib.util
 
-    for name in ("ddp", "fsdp"):
+    for name in ("ddp", "fsdp", "ddp_and_fsdp"):
         spec = importlib.util.find_spec(f"gpukit.lessons.ranks.{name}")
         assert spec is not None and Path(spec.origin).is_file()
     assert torchrun_command("gpukit.lessons.ranks.ddp", ["ddp"], nproc=2)[-3:] == ["-m", "gpukit.lessons.ranks.ddp",
@@ -287,5 +287,20 @@ def test_a_rank_script_that_is_not_there_is_refused_with_the_ones_that_are(name)
     from gpukit.lessons import ranks
 
     assert ranks.path("fsdp").name == "fsdp.py"
-    with pytest.raises(ValueError, match=r"no rank script .*; there are: ddp, fsdp$"):
+    with pytest.raises(ValueError, match=r"no rank script .*; there are: ddp, ddp_and_fsdp, fsdp$"):
         ranks.path(name)
+
+
+def test_the_combined_rank_script_takes_both_scripts_variants_and_importing_them_parses_nothing(monkeypatch):
+    """On the CPU: notebook 09 runs DDP's and FSDP's variants on the same ranks, in one torchrun
+    (gpukit.lessons.ranks.ddp_and_fsdp); importing the two scripts it runs parses no command line and starts nothing."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["python", "--not-an-option-of-any-script"])
+    from gpukit.lessons.ranks import ddp, ddp_and_fsdp, fsdp
+
+    args = ddp_and_fsdp.parse(["ddp", "zero1", "fsdp-bf16", "--batch=64"])
+    assert args.variants == ["ddp", "zero1", "fsdp-bf16"] and args.batch == 64
+    assert ddp_and_fsdp.parse(list(ddp.VARIANTS + fsdp.VARIANTS)).variants == [*ddp.VARIANTS, *fsdp.VARIANTS]
+    with pytest.raises(SystemExit):
+        ddp_and_fsdp.parse(["fsdp-everything"])

@@ -1,4 +1,5 @@
-"""DistributedDataParallel, measured on every rank. Notebook 09 runs it with torchrun:
+"""DistributedDataParallel, measured on every rank. Run it with torchrun (notebook 09 runs its ``run`` beside FSDP's,
+in gpukit.lessons.ranks.ddp_and_fsdp):
 
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.ddp ddp ddp-bucket-view zero1
 
@@ -23,28 +24,40 @@ from gpukit.distributed import publish, publish_tensors, run_rank
 from gpukit.lessons.data import digits_batch
 from gpukit.lessons.parallel import make_model, rank_record
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("variants", nargs="+", choices=["ddp", "ddp-bucket-view", "zero1"])
-parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
-parser.add_argument("--width", type=int, default=512)
-parser.add_argument("--depth", type=int, default=4)
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
+VARIANTS = ("ddp", "ddp-bucket-view", "zero1")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", nargs="+", choices=VARIANTS)
+    parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def rank_share(ctx, batch: int):
+    """This rank's share of one global batch: DistributedSampler deals the samples out among the ranks."""
+    if batch % ctx.world_size:
+        raise ValueError(f"the global batch ({batch}) must divide evenly among {ctx.world_size} ranks")
+    data = TensorDataset(*digits_batch(batch))
+    sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    x, y = next(iter(DataLoader(data, batch_size=batch // ctx.world_size, sampler=sampler)))
+    return x.to(ctx.device), y.to(ctx.device)
 
 
 def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the process group is up
-    if args.batch % ctx.world_size:
-        raise ValueError(f"the global batch ({args.batch}) must divide evenly among {ctx.world_size} ranks")
-    # This rank's share of one global batch: DistributedSampler deals the samples out among the ranks.
-    data = TensorDataset(*digits_batch(args.batch))
-    sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    x, y = next(iter(DataLoader(data, batch_size=args.batch // ctx.world_size, sampler=sampler)))
-    x, y = x.to(ctx.device), y.to(ctx.device)
+    x, y = rank_share(ctx, ARGS.batch)
     gpukit.warm_up(ctx.device)  # on a GPU: cuBLAS's one-time workspaces are not the model's memory
+    run(ctx, ARGS.variants, x, y, ARGS.width, ARGS.depth, ARGS.seed)
 
-    for variant in args.variants:
+
+def run(ctx, variants, x, y, width: int, depth: int, seed: int) -> None:
+    """Each variant on this rank's share ``x, y``: one step, then a measured one; its record published."""
+    for variant in variants:
         with gpukit.measure(ctx.device, record=False) as whole:
-            model = make_model(args.width, args.depth, args.seed, ctx.device)  # the same weights on every rank
+            model = make_model(width, depth, seed, ctx.device)  # the same weights on every rank
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                         gradient_as_bucket_view=variant == "ddp-bucket-view")
             if variant == "zero1":  # each rank keeps Adam's state for some whole tensors, steps and broadcasts them
@@ -73,4 +86,5 @@ def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the pro
 
 
 if __name__ == "__main__":
+    ARGS = parse()  # before the process group: --help needs no torchrun
     run_rank(main)

@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``), measured on every rank: parameters, gradients and optimizer state all sharded.
-Notebook 09 runs it with torchrun:
+Run it with torchrun (notebook 09 runs its ``run`` after DDP's, in gpukit.lessons.ranks.ddp_and_fsdp):
 
     python -m torch.distributed.run --nproc-per-node=2 -m gpukit.lessons.ranks.fsdp fsdp fsdp-bf16 fsdp-offload
 
@@ -24,27 +24,35 @@ from gpukit.distributed import publish, publish_tensors, run_rank
 from gpukit.lessons.data import digits_batch
 from gpukit.lessons.parallel import make_model, rank_record
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("variants", nargs="+", choices=["fsdp", "fsdp-bf16", "fsdp-offload"])
-parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
-parser.add_argument("--width", type=int, default=512)
-parser.add_argument("--depth", type=int, default=4)
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
+VARIANTS = ("fsdp", "fsdp-bf16", "fsdp-offload")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", nargs="+", choices=VARIANTS)
+    parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
 
 
 def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the process group is up
-    if args.batch % ctx.world_size:
-        raise ValueError(f"the global batch ({args.batch}) must divide evenly among {ctx.world_size} ranks")
-    data = TensorDataset(*digits_batch(args.batch))
+    if ARGS.batch % ctx.world_size:
+        raise ValueError(f"the global batch ({ARGS.batch}) must divide evenly among {ctx.world_size} ranks")
+    data = TensorDataset(*digits_batch(ARGS.batch))
     sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    x, y = next(iter(DataLoader(data, batch_size=args.batch // ctx.world_size, sampler=sampler)))
+    x, y = next(iter(DataLoader(data, batch_size=ARGS.batch // ctx.world_size, sampler=sampler)))
     x, y = x.to(ctx.device), y.to(ctx.device)
     gpukit.warm_up(ctx.device)
+    run(ctx, ARGS.variants, x, y, ARGS.width, ARGS.depth, ARGS.seed)
 
-    for variant in args.variants:
+
+def run(ctx, variants, x, y, width: int, depth: int, seed: int) -> None:
+    """Each variant on this rank's share ``x, y``: one step, then a measured one; its record published."""
+    for variant in variants:
         with gpukit.measure(ctx.device, record=False) as whole:
-            model = make_model(args.width, args.depth, args.seed, ctx.device)
+            model = make_model(width, depth, seed, ctx.device)
             policy = {}
             if ctx.device.type == "cpu":  # gloo ranks: fully_shard's default mesh would be on the accelerator
                 policy["mesh"] = init_device_mesh("cpu", (ctx.world_size,))
@@ -82,4 +90,5 @@ def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the pro
 
 
 if __name__ == "__main__":
+    ARGS = parse()  # before the process group: --help needs no torchrun
     run_rank(main)
