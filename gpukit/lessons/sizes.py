@@ -90,7 +90,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "11_everyday_savings": {
         "cpu": {"BATCH": 512, "WIDTH": 256, "ATT_BATCH": 4, "ATT_HEADS": 4, "HEAD_DIM": 16,
-                "LENGTHS": [128, 256, 384, 512], "RNN_HIDDEN": 128, "RNN_BATCH": 32, "RNN_STEPS": 32,
+                "LENGTHS": [256, 512, 768, 1024], "RNN_HIDDEN": 128, "RNN_BATCH": 32, "RNN_STEPS": 32,
                 "MS_CHANNELS": 16, "MS_BATCH": 256, "FUSE_SHAPE": (256, 4096)},
         "gpu": {"BATCH": 8192, "WIDTH": 4096, "ATT_BATCH": 8, "ATT_HEADS": 8, "HEAD_DIM": 64,
                 "LENGTHS": [512, 1024, 1536, 2048], "RNN_HIDDEN": 1024, "RNN_BATCH": 64, "RNN_STEPS": 256,
