@@ -45,12 +45,23 @@ class _ModelFacts:
     parameter_shapes: tuple = ()
     buffer_shapes: tuple = ()
     model_bytes: int = 0
+    # QLoRA: the elements of each Linear weight bitsandbytes quantizes (``quantized_shapes``; none: no QLoRA
+    # candidate) and their element size; the model's class, as the recipe loads it ("transformers.LlamaForCausalLM")
+    qlora_shapes: tuple[int, ...] = ()
+    qlora_element_size: int = 4
+    model_class: str = ""
+    qlora_odd_inputs: bool = False  # a quantized layer with an odd number of inputs (dequantized otherwise on a CPU)
 
     def batch_bytes(self, n: int) -> int:
         return sum(round_up(per * n * size) for per, size in self.batch_bytes_per_sample)
 
 
 LORA_RANK = 16  # the adapters' rank: peft's examples use 8 to 64; the memory it adds is small at any of them
+# QLoRA's base weights, as its paper and transformers' documentation load them: BitsAndBytesConfig(**QUANTIZATION).
+# No double quantization (bnb_4bit_use_double_quant, False by default): the absmax stays float32.
+QUANTIZATION = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16}
+QLORA_PRECISIONS = ("float32", "bf16", "fp16")  # (prepare_model_for_kbit_training makes 16-bit weights float32)
+NF4_BLOCKSIZE = 64  # bitsandbytes' Params4bit default, which transformers' Linear4bit layers keep: 64 weights an absmax
 
 
 def lora_targets(model: nn.Module) -> list[str]:
@@ -150,11 +161,61 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
             # A transformers model checkpoints the same blocks, each decoder or encoder layer, its own way (the
             # step uses it too, gpukit.step.checkpointing): the recipe says it as its users write it.
             code = f'model.{own[0]}({own[2]}={{"use_reentrant": False}})  # {cp}'
+        targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
+        quantized = quantized_shapes(model) if targets else []
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
-    targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
     return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
                        mapping, targets, *(_head_flops(model, batch) if loss is model_loss else (0, 0)),
-                       parameter_shapes, buffer_shapes, model_bytes)
+                       parameter_shapes, buffer_shapes, model_bytes, tuple(n for n, _, _ in quantized),
+                       max((size for _, size, _ in quantized), default=4),
+                       f"transformers.{type(model).__name__}" if quantized else "",
+                       any(inputs % 2 for _, _, inputs in quantized))
+
+
+def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int]]:
+    """QLoRA's layers: ``(elements, element size, inputs)`` of each ``nn.Linear`` weight that ``from_pretrained`` with a 4-bit
+    ``BitsAndBytesConfig`` quantizes (transformers' ``replace_with_bnb_linear``: every ``nn.Linear`` but the modules
+    ``get_keys_to_not_convert`` names, the output layer and the last module). Empty where QLoRA is not offered: a
+    model that is not a transformers ``PreTrainedModel`` (its recipe loads the model with ``from_pretrained``), or
+    where bitsandbytes or peft is not installed."""
+    if importlib.util.find_spec("bitsandbytes") is None or importlib.util.find_spec("peft") is None \
+            or importlib.util.find_spec("transformers") is None:
+        return []
+    with _disable_current_modes():
+        from transformers import PreTrainedModel
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    if not isinstance(model, PreTrainedModel):
+        return []
+    keep = get_keys_to_not_convert(model)
+    return [(m.weight.numel(), m.weight.element_size(), m.in_features) for name, m in model.named_modules()
+            if type(m) is nn.Linear and should_convert_module(name, keep)]
+
+
+def quantization_state_bytes(shapes) -> int:
+    """The bytes (each tensor rounded as the CUDA allocator rounds it) of the quantization state bitsandbytes keeps
+    beside the packed NF4 weights of layers with ``shapes`` elements (``QUANTIZATION``: no double quantization), as
+    ``bitsandbytes.functional.quantize_4bit`` makes it (bitsandbytes 0.50): one float32 absmax per
+    ``NF4_BLOCKSIZE`` weights (its ``quantize_4bit`` op: ``-(n // -blocksize)`` blocks) and the 16-value float32
+    NF4 code (``get_4bit_type``, a new tensor per layer). Neither is a parameter or a buffer: a count of the model's
+    parameters and buffers leaves them out."""
+    return sum(round_up(4 * -(n // -NF4_BLOCKSIZE)) + round_up(4 * 16) for n in shapes)
+
+
+def quantization_state_of(model: nn.Module) -> int:
+    """The bytes of the quantization state of a model's ``bitsandbytes.nn.Linear4bit`` layers as they hold it (its
+    tensors' distinct storages, rounded as the CUDA allocator rounds them): what ``quantization_state_bytes``
+    computes from the layers' shapes, read from a real model."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return 0
+    bnb = _bitsandbytes()
+    tensors = []
+    for m in model.modules():
+        state = getattr(getattr(m, "weight", None), "quant_state", None) if isinstance(m, bnb.nn.Linear4bit) else None
+        while state is not None:
+            tensors += [t for t in (state.absmax, state.code, state.offset) if torch.is_tensor(t)]
+            state = state.state2
+    return storage_bytes(tensors)
 
 
 def _head_flops(model: nn.Module, batch) -> tuple[int, int]:
@@ -244,20 +305,27 @@ def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
     return f"{name} (bitsandbytes)", make, "8-bit moments, block-wise (bitsandbytes)"
 
 
-def _bnb_optim():
-    """``bitsandbytes.optim``, imported without the warning its CPU backend logs where an optional kernel package
-    is missing (it concerns 4-bit matrix products, which no plan uses), and outside any fake mode: the tensors
-    bitsandbytes makes when imported (its 4-bit code tables) stay real, and no fake storage lives on in its
-    module, which would make every later prediction collect all garbage first (``gpukit.estimate.predict``)."""
+def _bitsandbytes():
+    """``bitsandbytes``, imported without the warning its CPU backend logs where an optional kernel package is
+    missing (a faster CPU kernel of 4-bit products for inference, which no plan runs: training dequantizes), and
+    outside any fake mode: the tensors bitsandbytes makes when imported (its 4-bit code tables) stay real, and no
+    fake storage lives on in its module, which would make every later prediction collect all garbage first
+    (``gpukit.estimate.predict``)."""
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
         with _disable_current_modes():
-            import bitsandbytes.optim
+            import bitsandbytes
+            import bitsandbytes.optim  # noqa: F401
     finally:
         log.setLevel(level)
-    return bitsandbytes.optim
+    return bitsandbytes
+
+
+def _bnb_optim():
+    """``bitsandbytes.optim``, imported as ``_bitsandbytes`` imports it."""
+    return _bitsandbytes().optim
 
 
 _MAPS: dict[tuple, list[float]] = {}  # bitsandbytes' quantisation maps, by their arguments, as computed for real

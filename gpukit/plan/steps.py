@@ -19,7 +19,7 @@ from ..factories import fake_model, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
 from .candidates import Candidate
-from .facts import LORA_RANK, lora_targets
+from .facts import LORA_RANK, QUANTIZATION, _bitsandbytes, lora_targets
 
 # -- predicting one candidate ------------------------------------------------------------------------------------
 
@@ -370,7 +370,95 @@ def with_lora(model: nn.Module) -> nn.Module:
                                                       target_modules=lora_targets(model)))
 
 
-def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = False):
+# bitsandbytes ops whose fake kernels were checked against the real kernels' source, where FakeKernelCheck cannot
+# run them (their packed uint8 weights are integer inputs of unknown value): dequantize_4bit's fake kernel returns
+# torch.empty(shape, dtype), which is what its CPU kernel (bitsandbytes/backends/cpu/ops.py, for an even last
+# dimension and blocks under 2,048) and its CUDA kernel (backends/cuda/ops.py) allocate, nothing else.
+CHECKED_BY_SOURCE = frozenset({"bitsandbytes.dequantize_4bit.default"})
+
+
+class _Dequantized(TorchDispatchMode):
+    """Inside a quantized layer's forward on fake tensors: bitsandbytes' ``gemm_4bit`` computed as its default
+    kernel computes it (backends/default/ops.py ``_gemm_4bit_default_impl``: the weight dequantized to the input's
+    dtype, then ``F.linear``), which is what runs on a CPU (no CPU kernel of its own) and on CUDA above 1,536 rows
+    (backends/cuda/ops.py ``_dequant_linear_fallback``: the same two steps). Its fake kernel allocates the output
+    alone, as if the dequantized weight were never made."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.bitsandbytes.gemm_4bit.default:
+            from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+
+            return _gemm_4bit_default_impl(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def quantize_4bit(model: nn.Module) -> nn.Module:
+    """The model's ``nn.Linear`` layers as ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))`` makes them: replaced
+    by ``bitsandbytes.nn.Linear4bit`` by transformers' own ``replace_with_bnb_linear`` (all but the modules
+    ``get_keys_to_not_convert`` keeps, the output layer), each weight quantized as transformers' ``Bnb4bitQuantize``
+    does it (``Params4bit(weight, requires_grad=False, **the new weight's settings).to(device)``), in place.
+
+    Under fake tensors (a prediction), ``Params4bit`` cannot wrap a fake tensor (``Tensor._make_subclass`` refuses
+    a tensor that is already a subclass): the weight is quantized by the function ``Params4bit`` calls,
+    ``bitsandbytes.functional.quantize_4bit``, with the same settings (its fake kernel gives the packed uint8
+    weight, (n + 1) // 2 bytes, and the absmax's shapes), and held in a plain frozen parameter carrying the same
+    attributes and quantization state, which ``Linear4bit.forward`` reads; each layer's forward computes its product
+    as bitsandbytes' kernels on a CPU do (``_Dequantized``). On a simulated GPU the cache is then emptied, as peft's
+    ``prepare_model_for_kbit_training`` does on a real one (``torch.cuda.empty_cache()``, auto_clear_cache=True)."""
+    bnb = _bitsandbytes()
+    with _disable_current_modes():  # (the modules are made on the meta device, Params4bit around real meta tensors)
+        from transformers import BitsAndBytesConfig
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+        replace_with_bnb_linear(model, modules_to_not_convert=get_keys_to_not_convert(model),
+                                quantization_config=BitsAndBytesConfig(**QUANTIZATION))
+    fake = active_fake_mode() is not None
+    for name, old in linears.items():
+        new = model.get_submodule(name)
+        if new is old:
+            continue  # kept as it is (the output layer)
+        settings = dict(new.weight.__dict__)
+        if fake:
+            packed, state = bnb.functional.quantize_4bit(
+                old.weight.data.contiguous(), blocksize=settings["blocksize"],
+                compress_statistics=settings["compress_statistics"], quant_type=settings["quant_type"],
+                quant_storage=settings["quant_storage"])
+            weight = nn.Parameter(packed, requires_grad=False)
+            weight.__dict__.update(settings, quant_state=state, bnb_quantized=True, module=new)
+            new.weight, new.quant_state = weight, state
+
+            def forward(x, forward=new.forward):
+                with _Dequantized():
+                    return forward(x)
+
+            new.forward = forward
+        else:
+            new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False, **settings).to(old.weight.device)
+        if old.bias is not None:
+            new.bias = old.bias
+    linears = old = None  # (the float32 weights are garbage now)
+    listener = FAKE_LEDGER.listener if fake else None
+    if listener is not None:  # the float32 weights are garbage now: their blocks go back, as CUDA's would
+        FAKE_LEDGER.settle()
+        listener.allocator.empty_cache()
+    return model
+
+
+def with_qlora(model: nn.Module) -> nn.Module:
+    """``model`` as QLoRA trains it: its Linear layers' weights in 4-bit NF4 (``quantize_4bit``), prepared by
+    peft's ``prepare_model_for_kbit_training`` (every parameter frozen, 16-bit ones made float32; its gradient
+    checkpointing left to the candidate), then LoRA adapters (``with_lora``)."""
+    with _disable_current_modes():
+        import peft
+
+    model = peft.prepare_model_for_kbit_training(quantize_4bit(model), use_gradient_checkpointing=False)
+    return with_lora(model)
+
+
+def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = False, qlora: bool = False):
     """A candidate's model factory. ``fake``: called under fake tensors, where a model that already exists comes
     as a fake copy (``gpukit.factories.fake_model``), so that converting it never reaches the user's model
     (``make_model`` for a real step copies such a model: ``_Search.make_real_model``)."""
@@ -381,6 +469,8 @@ def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = Fal
                 model = half_with_float_batchnorm(model)
             elif precision == "bf16 weights":
                 model = model.to(torch.bfloat16)
+        if qlora:
+            return with_qlora(model)
         return with_lora(model) if lora else model
 
     if fake:
