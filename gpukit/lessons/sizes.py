@@ -120,7 +120,7 @@ REHEARSAL_ON_FAKE_TENSORS: dict[str, dict[str, str]] = {
     "03_mixed_precision": {"1e11f86a": "kept for backward", "a3c41f0e": "its check", "5d0e7a21": "a step's peak",
                            "9e4f1a2b": "the exercise's check", "6a7b8c9d": "its solution", "4d5e6f70": "weight cache"},
     "06_half_with_float_batchnorm": {"nb05-04": "three first steps", "nb05-06": "their check"},
-    "10_gpu_results": {"efbc5d28": "technique matrix", "6808614a": "time ratios"},
+    "10_gpu_results": {"efbc5d28": "technique matrix", "42be59ee": "one row by hand"},
 }
 
 
