@@ -123,7 +123,10 @@ def section() -> str:
              "included (parameters, gradients, AdamW state, batch), median step time, samples per second; "
              "the techniques are plain PyTorch in `gpukit/lessons/techniques.py`. Times are this machine's, on the "
              "threads the summary names: a processor without float16 arithmetic emulates it, which makes AMP "
-             "fp16 and `half()` slow on a CPU where a GPU runs them fastest.", "",
+             "fp16 and `half()` slow on a CPU where a GPU runs them fastest. Where `half()` is the lowest peak or the "
+             "fastest, read it with its caveat: its weights are pure float16, with no float32 copy, so an update "
+             "below 2^-11 of a weight is lost (notebook 06); it is a way to save memory, not a way to train from "
+             "scratch. AMP keeps float32 master weights and trains as float32 does.", "",
              *matrix_table(techniques), ""]
     if (OUT / "notebooks.csv").exists():
         times = ", ".join(f"`{r['notebook']}` {float(r['seconds']):.0f} s{'' if r['passed'] == 'True' else ' FAILED'}"

@@ -33,7 +33,9 @@ def summary(rows: list[dict]) -> list[str]:
         best = min(mine, key=lambda r: r["peak_vs_baseline"])
         fastest = max((r for r in mine if r["samples_per_s"]), key=lambda r: r["samples_per_s"])
         lines.append(f"techniques, {model}: lowest peak {best['technique']} ({best['peak_vs_baseline']:.2f}x "
-                     f"baseline), fastest {fastest['technique']} ({fastest['samples_per_s']:,.0f} samples/s)")
+                     f"baseline), fastest {fastest['technique']} ({fastest['samples_per_s']:,.0f} samples/s)"
+                     + ("; half: pure float16 weights, updates below 2^-11 of a weight lost, not a way to train"
+                        if "half" in (best["technique"] + fastest["technique"]) else ""))
     skipped = [r for r in rows if r["status"] != "ok"]
     for r in skipped:
         lines.append(f"techniques, {r['model']}: {r['technique']}: {r['status']}")
