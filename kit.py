@@ -198,7 +198,8 @@ def test_workers(args: list[str]) -> list[str]:
         return ["-p", "xdist"]
     # One test at a time to each worker: xdist's load scheduling otherwise hands each worker a first chunk
     # of a quarter of its share, in collection order, which put all thirteen notebooks on one worker.
-    return ["-p", "xdist", "-n", str(min(2, cores)), "--dist", "load", "--maxschedchunk", "1"]
+    # The slowest tests are named at the end of every whole run: where the suite's time goes, run by run.
+    return ["-p", "xdist", "-n", str(min(2, cores)), "--dist", "load", "--maxschedchunk", "1", "--durations", "25"]
 
 
 def test(args: list[str]) -> int:

@@ -198,7 +198,8 @@ def test_the_test_run_has_one_torch_thread_per_worker_unless_asked_otherwise():
 
 def test_the_whole_suite_runs_on_two_workers_and_a_chosen_test_in_one_process(monkeypatch):
     monkeypatch.setattr(kit.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert kit.test_workers([]) == ["-p", "xdist", "-n", "2", "--dist", "load", "--maxschedchunk", "1"]  # at most two
+    assert kit.test_workers([]) == ["-p", "xdist", "-n", "2", "--dist", "load", "--maxschedchunk", "1",
+                                    "--durations", "25"]  # at most two; the slowest named
     assert kit.test_workers(["-k", "magic"]) == ["-p", "xdist"]  # loaded, so that -n may be given by hand
     monkeypatch.setattr(kit.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert kit.test_workers([]) == ["-p", "xdist"]
