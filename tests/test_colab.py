@@ -161,8 +161,9 @@ def test_the_library_declares_exactly_the_distributions_it_imports():
 
 # Imported only where installed (importlib.util.find_spec first), for what plan() tries with them: LoRA adapters
 # (gpukit/plan/steps.py), 8-bit optimizer state (gpukit/plan/facts.py) and optimizer state on the host
-# (gpukit/plan/host.py). The lessons' extra installs them.
-OPTIONAL = {"peft", "bitsandbytes", "torchao"}
+# (gpukit/plan/host.py), and QLoRA's 4-bit model as transformers' from_pretrained makes it (gpukit/plan/steps.py,
+# gpukit/plan/facts.py). The lessons' extra installs them.
+OPTIONAL = {"peft", "bitsandbytes", "torchao", "transformers"}
 
 
 from test_kit import kit  # noqa: E402  (kit.py, loaded as a module)

@@ -89,7 +89,7 @@ def test_candidates_pruned_by_the_bound_do_not_fit_and_the_cheapest_is_still_fou
         r.fits = r.need <= limit
     fitting = [r for r in every if r.fits]
     assert fitting and len(fitting) < len(every)
-    cheapest = min(fitting, key=lambda r: exhaustive.key(r.candidate, r.copy_bytes))
+    cheapest = exhaustive.rank_fitting(fitting, note=False)[0]  # (the plan's own ranking)
     p = plan(*case, budget=limit, device="cpu", precisions=("float32", "bf16 weights"),
              accumulate=[1, 2], offload=False, lora=False, alternatives=0, verify=False)
     assert p.choice.candidate == cheapest.candidate
@@ -348,7 +348,7 @@ def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model():
     for fraction in (0.6, 0.1):
         limit = int(least + (most - least) * fraction)
         fitting = [r for r in every.values() if r.need <= limit]
-        cheapest = min(fitting, key=lambda r: exhaustive.key(r.candidate, r.copy_bytes))
+        cheapest = exhaustive.rank_fitting(fitting, note=False)[0]  # (the plan's own ranking)
         search = search_for(case, "cuda", limit=limit, **options)
         rows = search.run()
         choice = next(r for r in rows if r.fits and r.need is not None)

@@ -2,14 +2,15 @@
 
     import gpukit
     p = gpukit.plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, budget="24GB")
-    p               # the table: cheapest recipe that fits first, predicted peak, headroom, slowdown, numerics
+    p               # the table: the recipe a practitioner would choose first; what each needs, its cost, numerics
     print(p.code)   # the chosen recipe as plain PyTorch, to paste into a training loop
 
 Each candidate is one way of running the same training step (``gpukit.step.train_step``): autocast to bfloat16
 or float16 (with a GradScaler), ``model.half()`` with float32 BatchNorm, gradient accumulation over k
 micro-batches (the same effective batch), activation checkpointing (``gpukit.step.checkpoint_plan``), saved
 activations sent to the host (``save_on_cpu``), another optimizer or optimizer implementation where allowed
-(the optimizer's state and step on the host among them: torchao's ``CPUOffloadOptimizer``), and with several
+(the optimizer's state and step on the host among them: torchao's ``CPUOffloadOptimizer``), LoRA adapters (peft)
+over the model's weights or over its Linear weights quantized to 4-bit NF4 (QLoRA: bitsandbytes), and with several
 GPUs DDP, ZeRO-1 or FSDP. Its peak is predicted exactly under fake tensors (``gpukit.estimate.predict``; with the
 optimizer's state on the host, ``gpukit.offload.predict_offload``: a simulated GPU beside the host), on reserved
 memory from the simulated caching allocator plus the context allowance for a CUDA plan. Nothing runs for real
@@ -41,6 +42,14 @@ How the search stays cheap (every shortcut is stated in the table):
 * Candidates are predicted cheapest first; once one fits, the costlier ones that only add techniques to a
   fitting one are dominated and never predicted.
 
+How the fitting recipes are ranked (``_Search.rank_fitting``; each row whose place its cost alone would not give
+says why in its "ranking" cell): a recipe more than 3 times as costly as the fastest fitting one, or whose host
+memory need is over the host's (``host_memory``, else Colab's 12.7 GB), after every one that is neither; then the
+recipes that keep every update (AMP, accumulation, checkpointing, offload, another implementation), then those
+that train the whole model otherwise (16-bit weights without a float32 copy, whose small updates are lost; another
+optimizer), then those that train a different model (LoRA, QLoRA); within these, by cost, where costs within 5% are
+one cost (the estimate resolves no finer) and PyTorch alone comes before a recipe that needs another library.
+
 Time cost, relative to the plain float32 step of the same batch (estimated, from stated figures): a step does
 3 forward passes' worth of arithmetic (the backward pass two); checkpointing recomputes the checkpointed
 segments' forward (their FLOPs counted under fake tensors by ``torch.utils.flop_counter``); offload copies every
@@ -48,7 +57,8 @@ saved tensor to the host and back at ``host_bandwidth``; an optimizer with its s
 offloaded gradient to the host after each micro-batch and each offloaded weight back at ``host_bandwidth``, and
 steps on the host (a fused AdamW reads the weight, gradient and two moments of each element and writes three of
 them back) at ``host_memory_bandwidth``; each extra micro-batch reads the weights twice more and adds into the
-gradients at ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
+gradients at ``memory_bandwidth``; QLoRA dequantizes each 4-bit weight in every forward and backward, at
+``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
 Where the model runs on this machine, each fitting candidate's step is also timed for real (labelled with the
 device it ran on). Timed on the planned device, that measured cost ranks the fitting candidates instead of the
 estimate; timed elsewhere (a CUDA plan checked on a CPU), it is shown beside the estimate and ranks nothing.
@@ -67,6 +77,7 @@ from ..factories import check_factories
 from ..report import format_bytes, parse_bytes
 from ..step import resolve_loss
 from .candidates import (
+    NEEDS,
     NUMERICS_NAMES,
     PRECISIONS,
     STRATEGIES,
@@ -114,7 +125,9 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (autocast; float16 with a GradScaler), ``"half"``
             (``model.half()`` with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's
             eps of 1e-8 is 0 in float16) and ``"bf16 weights"`` (``model.to(torch.bfloat16)``: weights, gradients
-            and optimizer state in bfloat16, no float32 copy).
+            and optimizer state in bfloat16, no float32 copy). The last two lose every update below 2^-11 (float16)
+            or 2^-8 (bfloat16) of its weight: their numerics say "small updates lost", and they rank after every
+            fitting recipe that keeps a float32 copy.
         accumulate: micro-batch counts to try (default: the powers of two that divide the batch per GPU).
         checkpointing, offload: try activation checkpointing (``gpukit.step.checkpoint_plan``), and saved tensors
             sent to the host (CUDA plans only: on a CPU the host is the device).
@@ -126,7 +139,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             2 TB/s; host copies 16 GB/s.
         host_memory: the host's memory for an optimizer state kept there (bytes, ``"12.7GB"``, ``"64 GiB"``); a
             candidate whose predicted host peak is above it does not fit, and its verdict says so. None: not
-            limited.
+            limited, but a candidate whose host peak is above Colab's 12.7 GB ranks after every fitting one that is
+            not, and its "ranking" cell says so.
         host_memory_bandwidth: the host's memory bandwidth, per second, for the optimizer step on the host;
             default 51.2 GB/s, two channels of DDR4-3200 (3,200 MT/s x 8 bytes = 25.6 GB/s a channel, JEDEC
             JESD79-4): a desktop's or a cloud VM's share; a server socket has 4 to 12 channels.
@@ -142,8 +156,12 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             transformers model with ``labels`` in the batch, no wrapper); or ``loss(model, batch)``. Accumulation
             cuts every tensor of the batch along its first dimension.
         lora: also try training LoRA adapters instead of the model (peft, where installed: rank 16 on every
-            ``nn.Linear`` but the output layer, the weights frozen). A different model is trained: such a recipe
-            ranks after every one that trains the model itself, on one GPU only.
+            ``nn.Linear`` but the output layer, the weights frozen), and for a transformers model where bitsandbytes
+            is installed QLoRA (those weights quantized to 4-bit NF4 as ``from_pretrained`` with
+            ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16)`` does, ``prepare_model_for_kbit_training``, then the adapters).
+            A different model is trained: such a recipe ranks after every one that trains the model itself, on one
+            GPU only.
 
     Returns:
         A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
@@ -238,4 +256,4 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 
 
 __all__ = ["plan", "Plan", "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
-           "STRATEGIES", "NUMERICS_NAMES"]
+           "STRATEGIES", "NUMERICS_NAMES", "NEEDS"]

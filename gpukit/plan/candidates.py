@@ -17,9 +17,20 @@ PRECISIONS = ("float32", "bf16", "fp16", "half", "bf16 weights")
 STRATEGIES = ("single GPU", "DDP", "ZeRO-1", "FSDP")
 # What changes numerically, from least to most; the tolerance is on |g - g_plain| / |g_plain| for the gradients
 # of one step, 16 units of roundoff of the arithmetic that changed (None: not comparable with the plain step).
-SAME, ROUNDING, STATISTICS, TRAINING = 0, 1, 2, 3
+# LOST_UPDATES: weights kept in 16 bits with no float32 copy ("half", "bf16 weights"): an update smaller than the
+# weight's last bit rounds back to the old weight, step after step, which changes training, not only its rounding.
+# DIFFERENT_MODEL: adapters trained instead of the weights (LoRA, QLoRA).
+SAME, ROUNDING, STATISTICS, LOST_UPDATES, TRAINING, DIFFERENT_MODEL = 0, 1, 2, 3, 4, 5
 NUMERICS_NAMES = {SAME: "same gradient", ROUNDING: "rounding-level", STATISTICS: "changed statistics",
-                  TRAINING: "changed training"}
+                  LOST_UPDATES: "small updates lost", TRAINING: "changed training",
+                  DIFFERENT_MODEL: "a different model"}
+# The table's columns, by what they hold. The need a candidate is judged by: on CUDA, reserved memory at the peak
+# (the simulated caching allocator) plus the context allowance; on a CPU, allocated memory at the peak (the counter).
+NEEDS = {"cuda": "needs (reserved + context)", "cpu": "needs (allocated at peak)"}
+HEADROOM = "budget - needs"
+ESTIMATED = "step time, estimated (x plain step)"
+MEASURED = "step time, measured (x plain step)"
+HOW = "how needs were found"
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "half": 2.0 ** -11,
                  "bf16 weights": 2.0 ** -8}
 # What the parameters are stored in, by precision (autocast keeps them in float32).
@@ -41,10 +52,15 @@ class Candidate:
     strategy: str = "single GPU"
     lora: bool = False
     chunked_loss: bool = False  # a causal LM's loss a chunk of tokens at a time (gpukit.losses)
+    qlora: bool = False  # with ``lora``: the adapted layers' weights quantized to 4-bit NF4 (bitsandbytes), QLoRA
+
+    def __post_init__(self) -> None:
+        if self.qlora and not self.lora:
+            raise ValueError("qlora=True trains LoRA adapters over 4-bit weights: pass lora=True with it")
 
     @property
-    def group(self) -> tuple[str, str, str, bool]:
-        return self.optimizer, self.precision, self.strategy, self.lora
+    def group(self) -> tuple[str, str, str, bool, bool]:
+        return self.optimizer, self.precision, self.strategy, self.lora, self.qlora
 
     def technique(self, accumulate: int | None = None) -> Technique:
         """The ``gpukit.step.Technique`` of this candidate (offload is left to the caller: see ``_offload``)."""
@@ -58,7 +74,7 @@ class Candidate:
         parts = {"float32": [], "bf16": ["AMP bf16"], "fp16": ["AMP fp16 + GradScaler"],
                  "half": ["half(), BatchNorm float32"], "bf16 weights": ["bf16 weights"]}[self.precision][:]
         if self.lora:
-            parts.insert(0, "LoRA")
+            parts.insert(0, "QLoRA (NF4 weights)" if self.qlora else "LoRA")
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         if self.checkpointed:
@@ -100,18 +116,23 @@ class Row:
     lower_bound: bool = False          # some op's fake kernel was unchecked: the peak may be low
     bound: int | None = None           # pruned: the lower bound of its need that was over the budget
     prediction: Prediction | None = field(default=None, repr=False)  # host offload: an OffloadPrediction
+    libraries: tuple[str, ...] = ()    # what the recipe needs besides PyTorch (bitsandbytes, peft, torchao...)
+    ranking: str = ""                  # why it ranks where cost alone would not put it (a tie, a demotion)
 
-    def cells(self, budget: int) -> dict:
+    def cells(self, budget: int, device: str) -> dict:
+        """The row as the table shows it, for a plan on ``device`` ("cuda" or "cpu": what its needs are)."""
         return {"techniques": self.candidate.label, "optimizer": self.candidate.optimizer,
                 "verdict": self.verdict,
-                "predicted peak": format_bytes(self.need) + (" (lower bound)" if self.lower_bound else ""),
-                "headroom": format_bytes(budget - self.need) if self.need is not None else "-",
-                "slowdown (estimated)": f"{self.slowdown:.2f}x",
-                "slowdown (measured)": (f"{self.measured_slowdown:.2f}x on {self.measured_on}"
-                                        if self.measured_slowdown is not None else "-"),
+                NEEDS[device]: format_bytes(self.need) + (" (lower bound)" if self.lower_bound else ""),
+                HEADROOM: format_bytes(budget - self.need) if self.need is not None else "-",
+                ESTIMATED: f"{self.slowdown:.2f}x",
+                MEASURED: (f"{self.measured_slowdown:.2f}x on {self.measured_on}"
+                           if self.measured_slowdown is not None else "-"),
                 "numerics": f"{NUMERICS_NAMES[self.numerics]}: {self.numerics_note}" if self.numerics_note
                 else NUMERICS_NAMES[self.numerics],
-                "how": self.how}
+                "libraries": "PyTorch" + "".join(f" + {name}" for name in self.libraries),
+                "ranking": self.ranking or "-",
+                HOW: self.how}
 
 
 @dataclass
@@ -127,7 +148,8 @@ class Verification:
 
 @dataclass
 class Plan:
-    """What ``plan()`` found: ``rows`` (cheapest fitting first), ``choice`` (the first fitting row or None),
+    """What ``plan()`` found: ``rows`` (the fitting ones first, in the order to choose them: ``_Search.rank_fitting``),
+    ``choice`` (the first fitting row or None),
     ``code`` (the chosen recipe in plain PyTorch), ``verification`` and the search's own figures."""
 
     budget: int
@@ -170,13 +192,14 @@ class Plan:
         """The table as a pandas DataFrame."""
         import pandas as pd
 
-        return pd.DataFrame([r.cells(self.budget) for r in self.rows])
+        return pd.DataFrame([r.cells(self.budget, self.device) for r in self.rows])
 
     def _head(self) -> list[str]:
         what = (f"budget {format_bytes(self.budget)} ({self.budget / 1e9:g} GB) on {self.device}"
                 + (f", {self.gpus} GPUs: per-rank figures" if self.gpus > 1 else "")
-                + (f"; needed = reserved at the peak (simulated allocator) + context allowance "
-                   f"{format_bytes(self.allowance)}" if self.device == "cuda" else "; needed = allocated at the peak"))
+                + (f"; {NEEDS['cuda']} = reserved at the peak (simulated caching allocator) + context allowance "
+                   f"{format_bytes(self.allowance)}" if self.device == "cuda" else
+                   f"; {NEEDS['cpu']} = allocated at the peak (gpukit's counter)"))
         found = (f"cheapest that fits: {self.choice.candidate.label} (optimizer: {self.choice.candidate.optimizer})"
                  if self.choice else "nothing fits: see the smallest needs below")
         return [what, self.model_note, found,
@@ -186,9 +209,9 @@ class Plan:
     def __repr__(self) -> str:
         import pandas as pd
 
-        shown = [r.cells(self.budget) for r in self.rows if r.need is not None]
+        shown = [r.cells(self.budget, self.device) for r in self.rows if r.need is not None]
         with pd.option_context("display.max_colwidth", 70, "display.width", 250, "display.max_columns", 20):
-            table = pd.DataFrame(shown).drop(columns=["how", "verdict"]).to_string(index=False) if shown else ""
+            table = pd.DataFrame(shown).drop(columns=[HOW, "verdict"]).to_string(index=False) if shown else ""
         code = "\n".join("    " + line for line in self.code.splitlines())
         return "\n".join(self._head() + ["predicted:", table, self._pruned_line(), "recipe:", code])
 
@@ -207,7 +230,7 @@ class Plan:
         import pandas as pd
 
         head = "".join(f"<div>{html.escape(line)}</div>" for line in self._head())
-        shown = [r.cells(self.budget) for r in self.rows if r.need is not None]
+        shown = [r.cells(self.budget, self.device) for r in self.rows if r.need is not None]
         table = pd.DataFrame(shown).to_html(index=False, escape=True) if shown else ""
         table += f"<div>{html.escape(self._pruned_line())}</div>"
         return f"<b>make it fit</b>{head}{table}<b>recipe</b><pre>{html.escape(self.code)}</pre>"
@@ -225,7 +248,7 @@ class Plan:
         ax.set_yticks(range(len(rows)), [f"{r.candidate.label} [{r.candidate.optimizer}]" for r in rows],
                      fontsize=8)
         ax.axvline(self.budget / 2**30, color="black", linestyle="--", label=f"budget {self.budget / 1e9:g} GB")
-        ax.set_xlabel("predicted need (GiB)")
+        ax.set_xlabel(f"{NEEDS[self.device]} (GiB)")
         ax.legend(loc="lower right")
         ax.set_title("candidates: green fits, red does not")
         return ax

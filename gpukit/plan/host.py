@@ -182,7 +182,7 @@ def evaluate(search, c: Candidate) -> Row:
         fits = False
     row = Row(c, verdict, fits, peak=peak, reserved=reserved, need=need, how="; ".join(how),
               slowdown=search.slowdown(c, copies), numerics=rank, numerics_note=note, tolerance=tol,
-              copy_bytes=copies, host_peak=host_peak, prediction=p)
+              copy_bytes=copies, host_peak=host_peak, prediction=p, libraries=search.libraries(c))
     search.rows[c] = row
     return row
 

@@ -8,7 +8,7 @@ import torch
 
 from ..step import model_loss
 from .candidates import Candidate
-from .facts import LORA_RANK, probe_optimizer
+from .facts import LORA_RANK, QUANTIZATION, probe_optimizer
 from .steps import CHUNK_TOKENS
 from .search import _Search
 
@@ -41,13 +41,27 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
     dev = device
     lines = ["import functools", "import torch", "import torch.nn.functional as F",
              "from torch.utils.checkpoint import checkpoint, checkpoint_sequential", *imports]
-    if c.lora:
+    if c.qlora:
+        module, cls = search.facts.model_class.rsplit(".", 1)
+        lines += [f"from {module} import BitsAndBytesConfig, {cls}",
+                  "from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training"]
+    elif c.lora:
         lines.append("from peft import LoraConfig, get_peft_model")
     if c.chunked_loss:
         lines.append("from gpukit.losses import chunked_causal_lm_loss  # the logits a chunk of tokens at a time")
     if c.precision == "bf16 weights":  # converted before it moves: the float32 weights never reach the device
         lines += ["", f"model = make_model().to(torch.bfloat16).to({dev!r})  # weights, gradients, optimizer state: "
                       "bfloat16"]
+    elif c.qlora:  # the weights quantized as they are loaded: the float32 model never reaches the device
+        quantization = ", ".join(f"{k}={v if isinstance(v, torch.dtype) else repr(v)}"  # (torch.bfloat16)
+                                 for k, v in QUANTIZATION.items())
+        lines += ["", "checkpoint = 'checkpoint'  # your model's name or directory, as from_pretrained takes it; here "
+                      "the model make_model builds:",
+                  "make_model().save_pretrained(checkpoint)",
+                  f"model = {cls}.from_pretrained(checkpoint, device_map={{'': {dev!r}}}, "
+                  f"quantization_config=BitsAndBytesConfig(",
+                  f"    {quantization}))  # Linear weights in 4-bit NF4 (bitsandbytes), the output layer kept",
+                  "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # all frozen"]
     else:
         lines += ["", f"model = make_model().to({dev!r})"]
     if c.precision == "half":

@@ -18,6 +18,8 @@ from ..factories import ValuesWhileBuilding
 from ..report import format_bytes
 from ..step import micro_loss
 from .candidates import (
+    DIFFERENT_MODEL,
+    LOST_UPDATES,
     PRECISIONS,
     ROUNDING,
     SAME,
@@ -30,8 +32,10 @@ from .candidates import (
     Row,
 )
 from . import host
-from .facts import _adam_like, _eight_bit, _implementations, _in_backward, _model_facts, _optimizer_name
+from .facts import (QLORA_PRECISIONS, _adam_like, _eight_bit, _implementations, _in_backward, _model_facts,
+                    _optimizer_name, quantization_state_bytes)
 from .steps import (
+    CHECKED_BY_SOURCE,
     CHUNK_TOKENS,
     _StateAlone,
     _model_maker,
@@ -45,6 +49,28 @@ from .steps import (
 )
 
 # -- the plan ----------------------------------------------------------------------------------------------------
+
+# How fitting recipes are ranked (``_Search.rank_fitting``), with the reasons for each figure:
+#
+# TIE: two costs within 5% of each other are one cost. The estimate's own resolution is coarser than that: it
+# counts FLOPs and bytes at a card's data-sheet rates, leaves out AMP's speed-up, kernel launches and the optimizer's
+# own step, and accumulation's extra passes over the weights come to a few percent of a step at a few thousand
+# tokens (a BERT on a T4 with and without accumulation: 1.00x and 1.01x). A measured cost, the median of three
+# steps, varies by a few percent from run to run too. Within a tie, what a practitioner would choose decides:
+# PyTorch alone before a recipe that needs another library, then float16 before bfloat16 on a card without bfloat16
+# tensor cores, then the cheaper, then the numerics closer to the plain step's.
+TIE = 0.05
+# SLOW: a recipe more than 3 times as costly as the fastest fitting one (and than the plain step: a LoRA step's
+# saving, no gradient of the frozen weights, is training less, not a faster way to train) ranks after every one that
+# is not: 3x turns a day of training into three, well past the estimate's error (percent, not a factor). Optimizer
+# state on the host is such a recipe wherever the GPU's step is short beside copying every weight and gradient over
+# PCIe and stepping on the CPU (an 8B model at 1,024 tokens a step: estimated at about 10x).
+SLOW = 3.0
+# A recipe whose host memory need is over the host's ranks after every one that is not, with the reason in its row.
+# The host's memory: plan(host_memory=...) where given (a recipe over it does not fit at all), else Colab's
+# standard runtime, the smallest host a learner's GPU comes with (12.7 GB of system RAM in its resources panel, as
+# bench/rehearse.py records it).
+TYPICAL_HOST_MEMORY = int(12.7e9)
 
 
 # A configuration's allocated peak by the end of its forward as a step that starts without gradients allocates it:
@@ -99,6 +125,7 @@ class _Search:
         self.rank_batch = b // gpus
         user = _optimizer_name(make_optimizer)
         self.optimizers: dict[str, tuple[Callable, str, int]] = {f"yours: {user}": (make_optimizer, "", SAME)}
+        self.optimizer_libraries: dict[str, tuple[str, ...]] = {}  # an optimizer plan() adds -> its library
         self.same_state: dict[str, str] = {}  # an optimizer -> the one whose state_info is its own (for-loop step)
         self.state_above: dict[str, str] = {}  # an optimizer -> one whose state it holds at least (fused step)
         for name, make in (optimizers or {}).items():
@@ -117,14 +144,18 @@ class _Search:
             eight = _eight_bit(make_optimizer)
             if eight is not None:
                 self.optimizers[eight[0]] = (eight[1], eight[2], ROUNDING)
+                self.optimizer_libraries[eight[0]] = ("bitsandbytes",)
                 stepped.append(eight[0])
             for name in stepped:
                 make, note, rank = self.optimizers[name]
                 self.optimizers[f"{name}, in backward"] = (
                     _in_backward(make), "; ".join(filter(None, [note, "stepped in backward: no clipping"])), rank)
+                if name in self.optimizer_libraries:  # (the hooks are PyTorch's: the recipe registers them)
+                    self.optimizer_libraries[f"{name}, in backward"] = self.optimizer_libraries[name]
             # Yours with its state and step on the host (torchao), as fused as a fused=True step: rounding-level.
             for name, make, note, gradients in host.host_variants(make_optimizer, device, gpus):
                 self.optimizers[name] = (make, note, ROUNDING)
+                self.optimizer_libraries[name] = ("torchao",)
                 self.host[name] = gradients
         # (a host-offload optimizer is not built to ask: torchao asks for CUDA; it is an Adam or AdamW)
         self.adam_like = {name: name in self.host or _adam_like(make)
@@ -140,7 +171,12 @@ class _Search:
         self.offl = [False, True] if offload and device == "cuda" else [False]
         self.precisions = precisions
         self.strategies = strategies
-        self.loras = [False, True] if lora and self.facts.lora_targets and gpus == 1 else [False]
+        # (LoRA, QLoRA) pairs: QLoRA where LoRA is tried and the model has layers bitsandbytes quantizes
+        # (facts.qlora_shapes: a transformers model, bitsandbytes and peft installed)
+        self.loras = [(False, False)]
+        if lora and self.facts.lora_targets and gpus == 1:
+            self.loras += [(True, False)] + ([(True, True)] if self.facts.qlora_shapes else [])
+        self.host_limit = host_memory if host_memory is not None else TYPICAL_HOST_MEMORY
         self.chunks = [False, True] if self.facts.head_flops else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
@@ -171,18 +207,28 @@ class _Search:
         if self.slow_bf16 and c.precision in ("bf16", "bf16 weights"):
             notes.append("no bfloat16 tensor cores on this card: slower than float16")
         if c.precision == "half":
-            rank = max(rank, TRAINING)
-            notes.append("float16 weights and updates, no float32 copy")
+            rank = max(rank, LOST_UPDATES)
+            notes.append("float16 weights, gradients and updates, no float32 copy: an update below 2^-11 of its "
+                         "weight is lost (float16 has 11 significant bits); remedy: float32 master weights under "
+                         "autocast (AMP fp16 + GradScaler)")
         if c.precision == "bf16 weights":
-            rank = max(rank, ROUNDING)
-            notes.append("bfloat16 weights, gradients and optimizer state, no float32 copy (an update below 2^-8 "
-                         "of its weight is lost)")
+            rank = max(rank, LOST_UPDATES)
+            notes.append("bfloat16 weights, gradients and optimizer state, no float32 copy: an update below 2^-8 of "
+                         "its weight is lost (bfloat16 has 8 significant bits); remedies: float32 master weights "
+                         "under autocast (AMP bf16), or the update rounded stochastically as torchao's optimizers "
+                         "offer (torchao.optim.AdamW8bit(..., bf16_stochastic_round=True); its full-precision AdamW "
+                         "is torchao.optim._AdamW in torchao 0.18)")
         if c.chunked_loss:
             rank = max(rank, ROUNDING)
             notes.append("the loss summed chunk by chunk (another order)")
-        if c.lora:
-            rank = max(rank, TRAINING)
-            notes.append("a different model: the weights frozen, low-rank adapters trained (peft LoRA)")
+        if c.qlora:
+            rank = max(rank, DIFFERENT_MODEL)
+            notes.append("4-bit frozen base, trained adapters (NF4 weights, bitsandbytes; peft LoRA)")
+            if self.slow_bf16:
+                notes.append("its bfloat16 compute dtype has no tensor cores on this card")
+        elif c.lora:
+            rank = max(rank, DIFFERENT_MODEL)
+            notes.append("the weights frozen, low-rank adapters trained (peft LoRA)")
         if c.accumulate > 1 or c.strategy != "single GPU":
             rank = max(rank, ROUNDING)
             notes.append("sums in another order")
@@ -195,7 +241,7 @@ class _Search:
         tolerance = None
         if c.lora:
             return rank, "; ".join(notes), None  # other parameters are trained: no gradient to compare
-        if rank <= ROUNDING or (rank == TRAINING and not self.facts.has_batchnorm):
+        if rank <= ROUNDING or (rank in (LOST_UPDATES, TRAINING) and not self.facts.has_batchnorm):
             tolerance = 16 * UNIT_ROUNDOFF[c.precision] if (c.precision != "float32" or rank > SAME) else 1e-6
             if c.precision == "float32" and rank > SAME:
                 tolerance = 1e-5  # float32 sums reordered: a few units of roundoff per layer
@@ -215,6 +261,14 @@ class _Search:
             extra += (c.accumulate - 1) * 4 * weight_bytes / self.memory_bw  # weights read twice, grads read+written
         if c.chunked_loss:  # each chunk's logits are computed again in backward
             extra += self.facts.head_flops / self.gpus / self.tflops
+        if c.qlora:
+            # Bytes read and written per quantized weight element in a micro-batch (bitsandbytes 0.50,
+            # autograd/_functions.py MatMul4Bit): the forward dequantizes the packed weight (half a byte an element,
+            # read) to the bfloat16 compute dtype (2 written) before its matrix product, again where checkpointed;
+            # the backward dequantizes it to the weight's dtype as quantized (half a byte read, its element size
+            # written) and casts that to bfloat16 (read, 2 written): 13 bytes for float32 weights.
+            per_element = 5 + 2 * self.facts.qlora_element_size + (2.5 if c.checkpointed else 0)
+            extra += c.accumulate * per_element * sum(self.facts.qlora_shapes) / self.memory_bw
         extra += copy_bytes / self.host_bw
         if c.optimizer in self.host:  # the optimizer step on the host (the GPU's own optimizer step is not counted)
             extra += host.step_seconds(self, c)
@@ -239,13 +293,16 @@ class _Search:
                             continue  # each micro-batch's gradient would step the parameter
                         for ck in self.ckpt:
                             for off in self.offl:
-                                for lora in self.loras:
+                                for lora, qlora in self.loras:
                                     if lora and opt in self.host:
                                         continue  # the adapters' state is small: nothing to send to the host
+                                    if qlora and precision not in QLORA_PRECISIONS:
+                                        continue  # peft's prepare_model_for_kbit_training makes the rest float32
                                     for chunked in self.chunks:
                                         if chunked and not self.chunkable(k):
                                             continue
-                                        found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked))
+                                        found.append(Candidate(opt, precision, k, ck, off, strategy, lora, chunked,
+                                                               qlora))
         return found
 
     def one_micro_batch(self, optimizer: str) -> bool:
@@ -258,25 +315,47 @@ class _Search:
         return host.copy_bytes(self, c) if c.optimizer in self.host else 0
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
+        """The order candidates are predicted in: by tier (``tier``), then estimated cost (``copy_bytes``, the
+        saved tensors offload copies: None where not yet known, costed as none), PyTorch alone first, and so on."""
         rank = self.numerics(c)[0]
         slowdown = self.slowdown(c, (copy_bytes or 0) + self.host_copies(c))
-        return (rank == TRAINING, round(slowdown, 4), self.slow_dtype(c), rank,
+        return (self.tier(rank), round(slowdown, 4), bool(self.libraries(c)), self.slow_dtype(c), rank,
                 c.accumulate, c.checkpointed,
-                c.offload, c.chunked_loss, c.lora,
+                c.offload, c.chunked_loss, c.lora, c.qlora,
                 list(self.optimizers).index(c.optimizer), PRECISIONS.index(c.precision),
                 STRATEGIES.index(c.strategy))
+
+    @staticmethod
+    def tier(rank: int) -> int:
+        """0: the model trained with every update kept (rounding and batch statistics aside); 1: the whole model
+        trained, its training changed (small updates lost in 16-bit weights, another optimizer); 2: a different
+        model trained (adapters). Fitting recipes rank tier by tier (``rank_fitting``)."""
+        return 0 if rank <= STATISTICS else 1 if rank in (LOST_UPDATES, TRAINING) else 2
+
+    def libraries(self, c: Candidate) -> tuple[str, ...]:
+        """What the candidate's recipe needs besides PyTorch (torch.optim, autocast, checkpoint, accumulation,
+        save_on_cpu, gradient hooks): bitsandbytes (8-bit optimizer state, 4-bit weights), torchao (optimizer state
+        on the host), peft (adapters), gpukit (the chunked loss). The user's own optimizer needs nothing new."""
+        found = set(self.optimizer_libraries.get(c.optimizer, ()))
+        if c.lora:
+            found.add("peft")
+        if c.qlora:
+            found.add("bitsandbytes")
+        if c.chunked_loss:
+            found.add("gpukit")
+        return tuple(sorted(found))
 
     # predictions ---------------------------------------------------------------------------------------------
 
     def floor(self, c: Candidate) -> dict:
         """Model state and the optimizer step alone, for this optimizer and parameter type."""
-        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
         if c.optimizer in self.host:  # not predicted: torchao's optimizer runs only in predict_offload
             return self.state_info(c)
         if key not in self.floors:
             info: dict = {}
-            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
-                        lambda: (),
+            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
+                        self.optimizers[c.optimizer][0], lambda: (),
                         step=_optimizer_only(info), device=self.device, card=self.card, breakdown=False)
             self.predictions += 1
             info["peak"] = p.peak
@@ -287,11 +366,11 @@ class _Search:
         """The floor's figures but its peak (parameters, gradients, optimizer state, and "before": what its step
         starts with), from one optimizer step under fake tensors outside ``predict``: no warm-up step, no ledger,
         no simulated allocator. The same bytes as the floor's (tests/test_plan_bounds.py)."""
-        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
         if key in self.floors:
             return self.floors[key]
         if c.optimizer in self.same_state:  # (its floor's peak is its own; its state is the other's)
-            key = (self.same_state[c.optimizer], WEIGHTS[c.precision], c.lora)
+            key = (self.same_state[c.optimizer], WEIGHTS[c.precision], c.lora, c.qlora)
             c = replace(c, optimizer=self.same_state[c.optimizer])
         if key not in self.states and c.optimizer in self.host:
             self.states[key] = host.state_info(self, c)
@@ -299,7 +378,7 @@ class _Search:
             info: dict = {}
             rules = CudaRules(self.card.compute_capability) if self.card is not None else CudaRules()
             with FakeTensorMode(allow_non_fake_inputs=True), rules if self.device == "cuda" else contextlib.nullcontext():
-                model = _model_maker(self.make_model, c.precision, lora=c.lora)()
+                model = _model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
                 with ValuesWhileBuilding():
                     optimizer = self.optimizers[c.optimizer][0](model.parameters())
                 if self.device == "cuda":
@@ -329,7 +408,7 @@ class _Search:
         predicting (what the step starts with, and twice the parameters for the optimizer step's temporaries,
         would be over the budget), else what the floor's step starts with."""
         info, extra = self.state_info(c), self.state_change(c) + self.allowance
-        key = (c.optimizer, WEIGHTS[c.precision], c.lora)
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
         if key in self.floors or (info["before"] + extra <= self.limit < info["before"] + 2 * info["params"] + extra):
             return self.floor(c)["peak"] + extra
         return info["before"] + extra
@@ -357,7 +436,7 @@ class _Search:
     @staticmethod
     def configuration(c: Candidate) -> tuple:
         """What a prediction depends on but for the optimizer and the parallelism (a rank's step is the same)."""
-        return c.precision, c.accumulate, c.checkpointed, c.offload, c.lora, c.chunked_loss
+        return c.precision, c.accumulate, c.checkpointed, c.offload, c.lora, c.chunked_loss, c.qlora
 
     def evaluate(self, c: Candidate) -> Row:
         if c in self.rows and self.rows[c].need is not None:
@@ -370,8 +449,8 @@ class _Search:
         n = micro * proxy_k
         copies = [0]
         phases: dict = {}
-        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), self.optimizers[c.optimizer][0],
-                    _slice_batch(self.make_batch, n, self.facts.batch_size),
+        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
+                    self.optimizers[c.optimizer][0], _slice_batch(self.make_batch, n, self.facts.batch_size),
                     step=_step_for(c, proxy_k, copies, self.loss, phases),
                     device=self.device, card=self.card, breakdown=False)  # (a row is bytes: no roles read)
         self.predictions += 1
@@ -382,6 +461,24 @@ class _Search:
             how.append(f"as 2 micro-batches of {micro} with the batch of {self.facts.batch_size} held")
         peak = p.peak + held
         reserved = None if p.reserved_peak is None else p.reserved_peak + held
+        lower = p.lower_bound
+        if c.qlora:
+            # The quantization state (absmax, code) is held by bitsandbytes' QuantState, no parameter or buffer:
+            # counted apart, from the layers' shapes (the simulated allocator placed it: reserved holds it).
+            state = quantization_state_bytes(self.facts.qlora_shapes)
+            peak += state
+            how.append(f"the base's Linear weights quantized by bitsandbytes' own quantize_4bit under fake tensors, "
+                       f"each quantized layer's forward as bitsandbytes' dequantize-then-matmul kernel runs it; "
+                       f"+ {format_bytes(state)} of their quantization state (absmax, code: not parameters, counted "
+                       "from the layers' shapes)")
+            if self.device == "cuda":
+                how.append("reserved after the cache is emptied as peft's prepare_model_for_kbit_training does, the "
+                           "weights built in float32 and quantized one by one on the simulated GPU (from_pretrained "
+                           "loads each before quantizing it: the blocks it leaves split may differ); at 1,536 tokens "
+                           "a micro-batch or fewer, CUDA may run bitsandbytes' own kernel, which makes no "
+                           "dequantized copy (then up to one layer's bfloat16 weight less)")
+            lower = any(op not in CHECKED_BY_SOURCE for op in p.unverified_ops) or (
+                self.device == "cpu" and self.facts.qlora_odd_inputs)  # (CHECKED_BY_SOURCE: even inputs only)
         base = reserved if self.device == "cuda" and reserved is not None else peak
         change = self.state_change(c)
         if change:
@@ -392,7 +489,7 @@ class _Search:
         row = Row(c, "fits" if need <= self.limit else "does not fit", need <= self.limit, peak=peak,
                   reserved=reserved, need=need, how="; ".join(how), slowdown=self.slowdown(c, copy_bytes),
                   numerics=rank, numerics_note=note, tolerance=tol, copy_bytes=copy_bytes,
-                  lower_bound=p.lower_bound, prediction=p)
+                  lower_bound=lower, prediction=p, libraries=self.libraries(c))
         self.rows[c] = row
         return row
 
@@ -429,7 +526,7 @@ class _Search:
 
         for last_only in (True, False):  # accumulation: its last micro-batch alone, unless that cannot tell
             found = {}
-            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora), _stateless,
+            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora), _stateless,
                         _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
                         step=_prefix_step(c, proxy_k, self.loss, found, enough, last_only), warmup_steps=0,
                         device=self.device, card=self.card, breakdown=False)
@@ -454,7 +551,8 @@ class _Search:
     def pruned(self, c: Candidate, why: str, fits: bool | None = False, bound: int | None = None) -> None:
         rank, note, tol = self.numerics(c)
         self.rows.setdefault(c, Row(c, f"pruned: {why}", fits, slowdown=self.slowdown(c, self.host_copies(c)),
-                                    numerics=rank, numerics_note=note, tolerance=tol, bound=bound))
+                                    numerics=rank, numerics_note=note, tolerance=tol, bound=bound,
+                                    libraries=self.libraries(c)))
 
     def over(self, c: Candidate) -> int | None:
         """A lower bound of the candidate's need over the budget, without predicting it (its floor and the phases
@@ -482,8 +580,8 @@ class _Search:
         fitting: list[Candidate] = []
         while heap:
             key, i, c, copies = heapq.heappop(heap)
-            if len(fitting) > self.alternatives:
-                self.pruned(c, "costlier than the recipes found", None)
+            if len(fitting) > self.alternatives and not self.could_rank_among(c, key[1], fitting):
+                self.pruned(c, "ranks after the recipes found", None)
                 continue
             dominated = next((f for f in fitting if c.saves_at_least(f)), None)
             if dominated is not None:
@@ -521,7 +619,8 @@ class _Search:
                     continue
             lower = self.lower_bound(c)
             if lower > self.limit:
-                alone = "model state and optimizer step" if (c.optimizer, WEIGHTS[c.precision], c.lora) in self.floors \
+                alone = "model state and optimizer step" if (c.optimizer, WEIGHTS[c.precision], c.lora,
+                                                             c.qlora) in self.floors \
                     else "model state"
                 self.pruned(c, f"{alone} alone need {format_bytes(lower)}", bound=lower)
                 continue
@@ -560,7 +659,7 @@ class _Search:
         ks = [k for k in self.ks if k == 1 or not self.one_micro_batch(c.optimizer)]
         k = max(ks)
         return Candidate(c.optimizer, c.precision, k, max(self.ckpt), max(self.offl), c.strategy, c.lora,
-                         max(self.chunks) and self.chunkable(k))
+                         max(self.chunks) and self.chunkable(k), c.qlora)
 
     def chunkable(self, k: int) -> bool:
         """Whether a micro-batch of k has more tokens than one chunk of the chunked loss (else it saves nothing)."""
@@ -582,12 +681,12 @@ class _Search:
 
     def copy_bytes(self, c: Candidate) -> int:
         """Bytes ``save_on_cpu`` sends to the host and back in one step of this candidate (fake forwards)."""
-        key = (c.precision, c.accumulate, c.checkpointed, c.lora, c.chunked_loss)  # not the optimizer: it saves nothing
+        key = (c.precision, c.accumulate, c.checkpointed, c.lora, c.chunked_loss, c.qlora)  # (not the optimizer)
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
             with FakeTensorMode(allow_non_fake_inputs=True):
-                model = _model_maker(self.make_model, c.precision, lora=c.lora)()
+                model = _model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
                 batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 # The forward and the loss, as the step runs them under save_on_cpu, whose place _offload takes.
                 with _offload(copies):
@@ -614,11 +713,77 @@ class _Search:
         return r.slowdown
 
     def ordered(self) -> list[Row]:
+        """Every row: the fitting ones predicted, as ``rank_fitting`` ranks them; then the dominated (they add
+        techniques to one that fits, and cost more than it); then those predicted not to fit; then the pruned."""
+        fitting = [r for r in self.rows.values() if r.fits and r.need is not None]
+
         def order(r: Row):
-            # Predicted to fit; then dominated (they add techniques to one that fits, and cost more than it); then
-            # predicted not to fit; then pruned.
-            group = (0 if r.need is not None else 1) if r.fits else 2 if r.need is not None else 3
-            return (group, r.numerics == TRAINING, self.cost(r), self.slow_dtype(r.candidate), r.numerics,
+            group = 1 if r.fits else 2 if r.need is not None else 3
+            return (group, self.tier(r.numerics), self.cost(r), self.slow_dtype(r.candidate), r.numerics,
                     r.need if r.need is not None else 0)
 
-        return sorted(self.rows.values(), key=order)
+        rest = [r for r in self.rows.values() if not (r.fits and r.need is not None)]
+        return self.rank_fitting(fitting) + sorted(rest, key=order)
+
+    def rank_fitting(self, rows: list[Row], note: bool = True) -> list[Row]:
+        """Fitting rows in the order a practitioner would choose among them (the first is the plan's choice):
+
+        1. a recipe that is slow (more than ``SLOW`` times the fastest's cost and the plain step's) or hungry for
+           host memory (its host peak over ``host_limit``) after every one that is neither;
+        2. then by tier (``tier``): every update kept, then the whole model trained otherwise, then adapters;
+        3. then by cost, where costs within ``TIE`` of the cheapest of a run of them are one cost, and among those
+           PyTorch alone first, float16 before bfloat16 on a card without bfloat16 tensor cores, the cheaper, the
+           numerics closer to the plain step's, the smaller need.
+
+        ``note``: each row whose place cost alone would not give says why in ``ranking``."""
+        if not rows:
+            return []
+        fastest = max(min(self.cost(r) for r in rows), 1.0)
+        limit = self.host_limit
+
+        def demoted(r: Row) -> str:
+            why = []
+            if self.cost(r) > SLOW * fastest:
+                why.append(f"{self.cost(r) / fastest:.1f}x the fastest fitting recipe's cost (over {SLOW:g}x)")
+            if r.host_peak is not None and r.host_peak > limit:
+                where = "host_memory" if self.host_memory is not None else \
+                    "Colab's host, a typical one; plan(host_memory=...) says yours"
+                why.append(f"its host needs {format_bytes(r.host_peak)}, over the {format_bytes(limit)} of {where}")
+            return "; ".join(why)
+
+        reasons = {id(r): demoted(r) for r in rows}
+        ranked: list[Row] = []
+        for slow in (False, True):
+            for tier in (0, 1, 2):
+                group = sorted((r for r in rows if bool(reasons[id(r)]) == slow and self.tier(r.numerics) == tier),
+                               key=lambda r: (self.cost(r), r.numerics, r.need))
+                while group:  # a run of costs within TIE of its cheapest: one cost
+                    tie = [r for r in group if self.cost(r) <= self.cost(group[0]) * (1 + TIE)]
+                    group = group[len(tie):]
+                    chosen = sorted(tie, key=lambda r: (bool(r.libraries), self.slow_dtype(r.candidate), self.cost(r),
+                                                        r.numerics, r.need))
+                    if note:
+                        for r in tie:
+                            r.ranking = ""
+                        first = tie[0]
+                        if chosen[0] is not first:
+                            why = ("PyTorch alone first" if bool(first.libraries) and not chosen[0].libraries
+                                   else "float16 before bfloat16 on this card")
+                            for r in chosen[:chosen.index(first)]:
+                                r.ranking = (f"before {first.candidate.label} [{first.candidate.optimizer}], "
+                                             f"whose cost is within {TIE:.0%}: {why}")
+                    ranked += chosen
+        if note:
+            for r in rows:
+                if reasons[id(r)]:
+                    r.ranking = f"after every recipe that is not slow or hungry for host memory: {reasons[id(r)]}"
+        return ranked
+
+    def could_rank_among(self, c: Candidate, cost: float, fitting: list[Candidate]) -> bool:
+        """Whether the candidate, were it to fit at ``cost`` (at least its cost: its key's) and need no host memory
+        over the limit, would rank among the first ``alternatives + 1`` fitting recipes found (``rank_fitting``):
+        if not, it is not predicted."""
+        found = [self.rows[f] for f in fitting]
+        rank, note, tol = self.numerics(c)
+        probe = Row(c, "fits", True, need=0, slowdown=cost, numerics=rank, libraries=self.libraries(c))
+        return any(r is probe for r in self.rank_fitting(found + [probe], note=False)[:self.alternatives + 1])

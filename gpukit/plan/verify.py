@@ -14,6 +14,7 @@ from ..report import format_bytes
 from ..step import map_tensors, train_step
 from .candidates import Candidate, Row, Verification
 from .search import _Search
+from .facts import quantization_state_of
 from .steps import _model_maker, candidate_loss
 
 # -- running candidates for real ---------------------------------------------------------------------------------
@@ -74,7 +75,8 @@ def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device=
     needs the stand-ins too)."""
     dev = torch.device(device)
     with dev:
-        model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora)()
+        model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora,
+                             qlora=candidate.qlora)()
     model.to(dev)
     with _stand_ins(make_optimizer, dev):
         optimizer = make_optimizer(model.parameters())
@@ -98,7 +100,9 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     ``gpukit.step.train_step``.
 
     Returns:
-        ``(model, measured peak: state plus the step's peak, median seconds of ``timed_steps`` more steps or None)``.
+        ``(model, measured peak: state plus the step's peak, median seconds of ``timed_steps`` more steps or None)``;
+        the state counts a QLoRA model's quantization state (``facts.quantization_state_of``), held beside its
+        parameters.
 
     Raises:
         torch.OutOfMemoryError: the step did not fit ``limit``.
@@ -137,7 +141,8 @@ def _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev
         with measure(dev, record=False) as report, cap:
             step()
     held = _Held(optimizer, dev) if hasattr(optimizer, "param_d2h_map") else optimizer
-    peak = state_bytes(model, held, batch)[0] + report.peak
+    # (QLoRA: the quantization state bitsandbytes keeps beside the 4-bit weights is no parameter or buffer)
+    peak = state_bytes(model, held, batch)[0] + report.peak + (quantization_state_of(model) if candidate.qlora else 0)
     seconds = None
     if timed_steps:
         times: list[float] = []
