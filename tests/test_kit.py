@@ -196,6 +196,11 @@ def test_the_test_run_has_one_torch_thread_per_worker_unless_asked_otherwise():
     assert kit.test_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
 
 
+def test_the_test_run_writes_bytecode_so_that_each_process_does_not_compile_torch_again():
+    """Device: none. Set-up installs without compiling; the run's first import writes each .pyc for the rest."""
+    assert "PYTHONDONTWRITEBYTECODE" not in kit.test_environment({"PYTHONDONTWRITEBYTECODE": "1"})
+
+
 def test_the_whole_suite_runs_on_two_workers_and_a_chosen_test_in_one_process(monkeypatch):
     monkeypatch.setattr(kit.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert kit.test_workers([]) == ["-p", "xdist", "-n", "2", "--dist", "load", "--maxschedchunk", "1",
