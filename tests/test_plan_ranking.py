@@ -164,6 +164,10 @@ def test_sixteen_bit_weights_say_small_updates_are_lost_and_rank_after_autocast(
     weights, autocast = rows_by(p, precision=precision)[0], rows_by(p, precision=amp)[0]
     assert weights.fits and autocast.fits and weights.need < autocast.need and weights.slowdown == autocast.slowdown
     assert p.choice is autocast and p.rows.index(weights) > p.rows.index(autocast)
+    assert autocast.ranking == "" and weights.ranking.startswith(  # its place is not its cost's: it says why
+        "the whole model trained, its training changed (16-bit weights without a float32 copy lose small updates")
+    assert f"such as {autocast.candidate.label} [{autocast.candidate.optimizer}], whose cost is not lower" \
+        in weights.ranking
     assert weights.numerics == LOST_UPDATES and NUMERICS_NAMES[LOST_UPDATES] == "small updates lost"
     cell = weights.cells(p.budget, p.device)["numerics"]
     assert cell.startswith(f"small updates lost: ") and f"an update below 2^-{bits} of its weight is lost" in cell

@@ -774,7 +774,18 @@ class _Search:
                                              f"whose cost is within {TIE:.0%}: {why}")
                     ranked += chosen
         if note:
+            why_tier = {1: "the whole model trained, its training changed (16-bit weights without a float32 copy lose "
+                           "small updates; another optimizer): after the recipes that keep every update",
+                        2: "a different model trained (adapters on frozen weights): after every recipe that trains "
+                           "the model itself"}
             for r in rows:
+                tier = self.tier(r.numerics)
+                ahead = [o for o in rows if not reasons[id(o)] and self.tier(o.numerics) < tier
+                         and self.cost(o) >= self.cost(r)]
+                if tier and not reasons[id(r)] and ahead and not r.ranking:
+                    cheapest = min(ahead, key=self.cost)
+                    r.ranking = (f"{why_tier[tier]}, such as {cheapest.candidate.label} "
+                                 f"[{cheapest.candidate.optimizer}], whose cost is not lower")
                 if reasons[id(r)]:
                     r.ranking = f"after every recipe that is not slow or hungry for host memory: {reasons[id(r)]}"
         return ranked
