@@ -42,11 +42,18 @@ def digits():
     return images[:256], labels[:256]
 
 
+# Unit-test files whose tests take 20 s to 3 minutes each (exhaustive plan searches, notebooks run by the rehearsal):
+# run right after the notebooks, so that no such test starts last while the other worker has nothing left.
+SLOW_FILES = ("test_plan_bounds.py", "test_plan_ranking.py", "test_plan_qlora.py", "test_plan.py",
+              "test_rehearsal.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The notebooks in the browser first (each takes 30 to 90 s; test_browser orders them longest first),
-    then the unit tests, which fill in around them: with each test sent to the next free worker
-    (``--maxschedchunk 1``, kit.py), the two workers finish within a short test of each other."""
-    items.sort(key=lambda item: item.get_closest_marker("browser") is None)  # stable: each group keeps its order
+    """The notebooks in the browser first (each takes 25 to 160 s; test_browser orders them longest first), then
+    the slowest unit tests' files, then the rest, which fill in around them: with each test sent to the next free
+    worker (``--maxschedchunk 1``, kit.py), the two workers finish within a short test of each other."""
+    items.sort(key=lambda item: (item.get_closest_marker("browser") is None,  # stable: each group keeps its order
+                                 item.path.name not in SLOW_FILES))
 
 
 def pytest_collection_finish(session):

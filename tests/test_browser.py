@@ -40,10 +40,10 @@ from playwright.sync_api import sync_playwright
 from find_chromium import NoChromium, find_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
-# Longest first (seconds in the browser, two workers, 2026-11-25, numbered as now: 09 88, 07 78, 13 72, 11 63, 03 61,
-# 00 56, 10 51, 08 45, 05 44, 06 38, 12 37, 04 32, 02 28): conftest runs these before the unit tests, each on the
-# next free worker, so the two workers end together instead of one running every notebook.
-_LONGEST_FIRST = ["09", "07", "13", "11", "03", "00", "10", "08", "05", "06", "12", "04", "02"]
+# Longest first (seconds in the browser, two workers, 2026-11-27: 14 161, 01 100, 09 62, 13 55, 08 50, 05 44, 06 39,
+# 12 37, 11 35, 03 35, 00 33, 10 31, 07 30, 04 29, 02 27): conftest runs these before the unit tests, each on the next
+# free worker, so the two workers end together instead of one running every notebook.
+_LONGEST_FIRST = ["14", "01", "09", "13", "08", "05", "06", "12", "11", "03", "00", "10", "07", "04", "02"]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"),
                    key=lambda p: (_LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in _LONGEST_FIRST else -1, p.name))
 README_NOTEBOOK = "00_where_memory_goes"   # its explorer (toggles, role bars and table) is the README's picture
