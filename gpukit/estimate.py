@@ -86,20 +86,28 @@ class Prediction:
     def will_it_fit(self, sizes_gb=GPU_SIZES_GB, allowance: int = CONTEXT_ALLOWANCE):
         """A table: against GPU memory sizes (GB = 10^9 B), whether the run fits once the caching allocator's
         reserved memory is counted: its allocations replayed through a simulated allocator on a device of
-        that size less the context allowance (gpukit.allocator); "needed" is reserved at the peak plus it."""
+        that size less the context allowance (gpukit.allocator); "needed" is reserved at the peak plus it.
+        A prediction made for a card (``predict(card="t4")``) answers for that card first, on the memory torch
+        reports for it where that is known (a T4: 14.58 GiB of its 16 GB), then for ``sizes_gb``."""
         import pandas as pd
 
         from .allocator import replay_events
+        from .cards import card as card_named
 
         reserved = self.peak if self.reserved_peak is None else self.reserved_peak
         need = reserved + allowance
+        sizes = [(f"{gb} GB", int(gb * 1e9)) for gb in sizes_gb]
+        if self.card is not None:
+            c = card_named(self.card)
+            usable = c.torch_total_memory or c.memory_bytes
+            sizes.insert(0, (f"{c.name} ({format_bytes(usable)}"
+                             + (" as torch reports it)" if c.torch_total_memory else ")"), usable))
         rows = []
-        for gb in sizes_gb:
-            cap = int(gb * 1e9)
+        for label, cap in sizes:
             fits = need <= cap
             if self.allocator_events and cap > allowance:  # the allocator frees its cache before it fails
                 fits = replay_events(self.allocator_events, cap, context_bytes=allowance)[0]
-            rows.append({"GPU memory": f"{gb} GB", "predicted peak": format_bytes(self.peak),
+            rows.append({"GPU memory": label, "predicted peak": format_bytes(self.peak),
                          "reserved at peak (simulated)": format_bytes(reserved),
                          "context allowance": format_bytes(allowance), "needed": format_bytes(need),
                          "fits": fits, "headroom": format_bytes(cap - need)})

@@ -130,6 +130,22 @@ def test_will_it_fit_counts_the_context_allowance():
     assert list(table["fits"]) == [False, True]
 
 
+def test_will_it_fit_answers_first_for_the_card_the_prediction_was_made_for():
+    """Device: none. A T4's 16 GB card gives torch 14,930 MiB: a need between that and 16 GB fits "16 GB" but not
+    the T4, whose row comes first; a prediction for no card has the sizes' rows only."""
+    from gpukit.cards import card
+
+    t4 = card("t4")
+    need = t4.torch_total_memory + 2**20                  # 1 MiB more than a T4 gives torch, under 16 GB
+    p = Prediction(peak=need, peak_unrounded=0, before_step=0, step_peak=0, step_peak_unrounded=0,
+                   parameters=0, roles_peak={}, roles_end={}, card="t4")
+    table = p.will_it_fit(sizes_gb=(16, 24), allowance=0)
+    assert list(table["GPU memory"]) == [f"{t4.name} (14.58 GiB as torch reports it)", "16 GB", "24 GB"]
+    assert list(table["fits"]) == [False, True, True]
+    p.card = None
+    assert list(p.will_it_fit(sizes_gb=(16, 24), allowance=0)["GPU memory"]) == ["16 GB", "24 GB"]
+
+
 def test_a_batch_of_real_data_is_turned_into_fake_tensors():
     images, labels = load_digits()
     real = predict(lambda: MLP(width=64), lambda p: torch.optim.SGD(p, lr=0.1),
