@@ -260,7 +260,7 @@ def write_rehearsals_page(page: Path | None = None) -> None:
 def write_table(table: Path, rows: dict[str, dict]) -> None:
     table.parent.mkdir(parents=True, exist_ok=True)
     with table.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")  # (git's line ends)
         writer.writeheader()
         for name in sorted(rows):
             writer.writerow(rows[name])
