@@ -220,8 +220,9 @@ class SimulatedCuda:
 
     ``cuda = torch.cuda if torch.cuda.is_available() else SimulatedCuda("t4")``: on a GPU the calls are torch's
     own; here they read gpukit's simulation of the CUDA caching allocator, sized as the card, which every tensor
-    made on this CPU from now on is placed on (tensors that existed before are the host's, as data loaded before a
-    training run is). One card at a time per process: making another replaces this one, which then refuses calls.
+    this thread makes on this CPU from now on is placed on (tensors that existed before are the host's, as data
+    loaded before a training run is, and so are those other threads make, as a DataLoader's pin-memory thread's).
+    One card at a time per process: making another replaces this one, which then refuses calls.
 
     Args:
         card: the card simulated, a ``gpukit.cards.Card`` or its name; by default the card a rehearsal runs for

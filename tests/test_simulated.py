@@ -63,6 +63,23 @@ def test_a_tensor_of_the_host_is_not_placed():
         c.close()
 
 
+def test_a_tensor_another_thread_makes_is_the_hosts(cuda):
+    """Device: cpu. The card holds what the thread that made it runs: a tensor made by another thread (a
+    DataLoader's pin-memory thread, a widget's callback) is the host's and never placed, alive or freed."""
+    import threading
+
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.empty(256, 256)))
+    worker.start()
+    worker.join()
+    assert made[0].numel() == 256 * 256 and cuda.memory_allocated() == 0
+    here = torch.empty(256, 256)                            # this thread's: on the card
+    assert cuda.memory_allocated() == 256 * 256 * 4
+    made.clear()
+    assert cuda.memory_allocated() == 256 * 256 * 4
+    del here
+
+
 def test_a_training_step_peak_is_the_one_measure_reports(cuda):
     """Device: cpu. The card's peak over a step is the CPU counter's (measure()) over the same step, from the same
     start: both count each tensor's block."""
