@@ -8,7 +8,20 @@ Each is a plain script (it parses its arguments when run): importing this packag
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+
+def parse_run(description: str, variants: tuple[str, ...], argv=None) -> argparse.Namespace:
+    """The arguments every rank script takes: the variants to run (of ``variants``), the global batch shared out
+    among the ranks, the MLP's width and depth, and the seed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("variants", nargs="+", choices=variants)
+    parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
 
 
 def path(name: str) -> Path:

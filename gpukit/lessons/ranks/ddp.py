@@ -22,19 +22,14 @@ from torch.utils.data.distributed import DistributedSampler
 import gpukit
 from gpukit.distributed import publish, publish_tensors, run_rank
 from gpukit.lessons.data import digits_batch
+from gpukit.lessons.ranks import parse_run
 from gpukit.lessons.parallel import make_model, rank_record
 
 VARIANTS = ("ddp", "ddp-bucket-view", "zero1")
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="+", choices=VARIANTS)
-    parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parse_run(__doc__.split("\n\n")[0], VARIANTS, argv)
 
 
 def rank_share(ctx, batch: int):

@@ -14,17 +14,11 @@ import torch.distributed as dist
 
 import gpukit
 from gpukit.distributed import run_rank
-from gpukit.lessons.ranks import ddp, fsdp
+from gpukit.lessons.ranks import ddp, fsdp, parse_run
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="+", choices=ddp.VARIANTS + fsdp.VARIANTS)
-    parser.add_argument("--batch", type=int, default=1024, help="the global batch, shared out among the ranks")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parse_run(__doc__.split("\n\n")[0], ddp.VARIANTS + fsdp.VARIANTS, argv)
 
 
 def main(ctx):  # ctx: this rank's rank, world_size, device and backend; the process group is up
