@@ -14,9 +14,9 @@ Without a GPU, torch.cuda's own memory calls answer from a simulated card:
 """
 
 from .budget import BudgetWarning, budget
-from .counter import allocated_size, allocated_size_range
+from .counter import CompileRanEagerWarning, allocated_size, allocated_size_range
 from .plan import plan
-from .meter import CompileRanEagerWarning, measure, resolve_device
+from .meter import measure, resolve_device
 from .report import MemoryReport, clear_history, format_bytes, history, keep_history, last, parse_bytes
 from .simulated import CardRun, SimulatedCuda, on_card
 from .traffic import Traffic, copies

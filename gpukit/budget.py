@@ -35,8 +35,8 @@ import weakref
 import torch
 
 from ._torch import is_traceable_wrapper_subclass
-from .counter import INTERRUPTS, LEDGER, round_up
-from .meter import resolve_device, user_stacklevel
+from .counter import INTERRUPTS, LEDGER, round_up, user_stacklevel
+from .meter import resolve_device
 from .report import format_bytes, parse_bytes
 
 

@@ -14,10 +14,7 @@ above; see gpukit.counter), frees of tensors that existed before the block inclu
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import warnings
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -32,34 +29,6 @@ CPU_BACKEND = "exact live-tensor counter"
 CUDA_BACKEND = "CUDA caching allocator"
 SIMULATED_BACKEND = "fake-tensor counter (a simulated device: nothing is allocated)"
 _BACKENDS = {"cpu": CPU_BACKEND, "meta": SIMULATED_BACKEND, "cuda": CUDA_BACKEND}
-
-
-class CompileRanEagerWarning(UserWarning):
-    """``torch.compile`` ran eagerly inside a measured CPU block, so the block measured the eager program."""
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` for ``warnings.warn``, called from here, that names the innermost frame outside
-    torch, gpukit and IPython (whose magics run a cell): the user's line, however deep the warning is found.
-    IPython 7 (Colab's) wraps each magic in a function the ``decorator`` package writes, named
-    ``<decorator-gen-N>``: that frame is IPython's too."""
-    modules = (torch, sys.modules[__package__], sys.modules.get("IPython"))
-    internal = (*(os.path.dirname(m.__file__) + os.sep for m in modules if m is not None), "<decorator-gen-")
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(internal):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def warn_compile_ran_eagerly() -> None:
-    """Warn that torch.compile ran eagerly in a measured CPU block (once per block; see _CountingMode)."""
-    warnings.warn(
-        "torch.compile ran eagerly inside a gpukit block on the CPU: dynamo does not compile while a "
-        "TorchDispatchMode is active, and gpukit counts CPU memory with one. So the figures are those of the "
-        "eager program, not of the compiled graph (whose fused kernels may skip intermediate tensors). Measure the "
-        "compiled model on a GPU, or compare without torch.compile. After the block torch.compile compiles "
-        "as before.",
-        CompileRanEagerWarning, stacklevel=user_stacklevel())
 
 
 def default_device() -> torch.device:

@@ -51,7 +51,8 @@ The package, one job a module:
 * ``sizes``: the bytes the CUDA allocator counts for a request (``allocated_size``, ``round_up``).
 * ``interrupts``: Ctrl-C held back while gpukit changes its own state (``INTERRUPTS``).
 * ``records``: what the ledger keeps of a block (``Tally``) and of a storage (its weak reference and state).
-* ``mode``: the dispatch mode that sees every op a thread runs inside a block, and hands its outputs on.
+* ``mode``: the dispatch mode that sees every op a thread runs inside a block, and hands its outputs on (and warns
+  when ``torch.compile`` ran eagerly under it: ``CompileRanEagerWarning``).
 * ``limits``: refusing an op that would pass a budget: its request, known before it runs, and the error.
 * ``scan``: finding the storages that existed before a block (``gc``, gradients, autograd's saved tensors).
 * ``ledger``: the books themselves: every live storage, settled in order, each block's level and peak,
@@ -61,12 +62,13 @@ The package, one job a module:
 from .interrupts import INTERRUPTS, _DeferredInterrupts
 from .ledger import FAKE_LEDGER, LEDGER, Ledger
 from .limits import _FRESH_BYTES, _KEYABLE, _fmt, _meta_key, _numel, _on_meta, _requests
-from .mode import (_ALIASES, _PLAIN_TENSORS, _alias_entry, _aliases_only, _CountingMode, _dispatches,
-                   _PerThread)
+from .mode import (_ALIASES, _PLAIN_TENSORS, CompileRanEagerWarning, _alias_entry, _aliases_only, _CountingMode,
+                   _dispatches, _PerThread, user_stacklevel, warn_compile_ran_eagerly)
 from .records import _FREED, _LIVE, _QUEUED, Tally, _claim, _StorageRef
 from .scan import _SAVED_NAMES, _saved_tensors, _tensor_types, _TensorKinds, gc_paused
 from .sizes import (_ALIGNMENT_LESS_ONE, _ALIGNMENT_MASK, ALIGNMENT, SMALL_REQUEST, allocated_size,
                     allocated_size_range, cuda_allocated_range, round_up)
 
-__all__ = ["ALIGNMENT", "FAKE_LEDGER", "INTERRUPTS", "LEDGER", "Ledger", "SMALL_REQUEST", "Tally", "allocated_size",
-           "allocated_size_range", "cuda_allocated_range", "gc_paused", "round_up"]
+__all__ = ["ALIGNMENT", "CompileRanEagerWarning", "FAKE_LEDGER", "INTERRUPTS", "LEDGER", "Ledger", "SMALL_REQUEST", "Tally", "allocated_size",
+           "allocated_size_range", "cuda_allocated_range", "gc_paused", "round_up", "user_stacklevel",
+           "warn_compile_ran_eagerly"]

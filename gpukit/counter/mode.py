@@ -1,10 +1,14 @@
 """The counting mode: a ``TorchDispatchMode`` that sees every op a thread runs inside measured blocks and hands
 the storages of its outputs to the ledger (queued on the hot path, booked at once where a budget or a timeline
-needs it); which ops only alias their inputs, read from their schemas."""
+needs it); which ops only alias their inputs, read from their schemas; and the warning that ``torch.compile`` ran
+eagerly under it (``CompileRanEagerWarning``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import warnings
 
 import torch
 
@@ -12,6 +16,34 @@ from .._torch import (FakeTensor, TorchDispatchMode, disabled_torch_dispatch_imp
                       let_dynamo_trace_again, never_traced, op_entry_point)
 from .interrupts import INTERRUPTS
 from .records import _QUEUED, _StorageRef
+
+
+class CompileRanEagerWarning(UserWarning):
+    """``torch.compile`` ran eagerly inside a measured CPU block, so the block measured the eager program."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, called from here, that names the innermost frame outside
+    torch, gpukit and IPython (whose magics run a cell): the user's line, however deep the warning is found.
+    IPython 7 (Colab's) wraps each magic in a function the ``decorator`` package writes, named
+    ``<decorator-gen-N>``: that frame is IPython's too."""
+    modules = (torch, sys.modules[__package__.partition('.')[0]], sys.modules.get("IPython"))
+    internal = (*(os.path.dirname(m.__file__) + os.sep for m in modules if m is not None), "<decorator-gen-")
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_compile_ran_eagerly() -> None:
+    """Warn that torch.compile ran eagerly in a measured CPU block (once per block; see _CountingMode)."""
+    warnings.warn(
+        "torch.compile ran eagerly inside a gpukit block on the CPU: dynamo does not compile while a "
+        "TorchDispatchMode is active, and gpukit counts CPU memory with one. So the figures are those of the "
+        "eager program, not of the compiled graph (whose fused kernels may skip intermediate tensors). Measure the "
+        "compiled model on a GPU, or compare without torch.compile. After the block torch.compile compiles "
+        "as before.",
+        CompileRanEagerWarning, stacklevel=user_stacklevel())
 
 
 class _PerThread(threading.local):
@@ -49,8 +81,6 @@ class _CountingMode(TorchDispatchMode):
                 self.declined.add(code)
             if not self.saw_compile:
                 self.saw_compile = True
-                from ..meter import warn_compile_ran_eagerly
-
                 warn_compile_ran_eagerly()
         return False
 
