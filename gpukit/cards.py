@@ -22,6 +22,7 @@ one, the dense figure here is half of it, and the source says so.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,7 +30,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["Card", "CARDS", "card", "FIGURES"]
+__all__ = ["Card", "CARDS", "card", "FIGURES", "REHEARSE_VAR", "rehearsed_card"]
 
 # The fields that hold a figure; each has its source in Card.sources (the data sheet's URL first) where not None.
 FIGURES = ("memory_bytes", "memory_bandwidth", "compute_capability", "fp16_tflops", "fp16_sparse_tflops",
@@ -312,3 +313,13 @@ def card(name: str) -> Card:
                          f"'H100', 'a100 80gb' and torch's device names work too; PCIe and NVL variants are other "
                          f"cards, not listed)")
     return CARDS[key]
+
+
+# A rehearsal (``python3 kit.py rehearse --card t4``) runs on the CPU as if on a card: this variable names it.
+REHEARSE_VAR = "GPUKIT_REHEARSE"
+
+
+def rehearsed_card() -> Card | None:
+    """The card a rehearsal runs for (``GPUKIT_REHEARSE``, a card's name as ``card`` reads it), or None."""
+    name = os.environ.get(REHEARSE_VAR, "").strip()
+    return card(name) if name else None

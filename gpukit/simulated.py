@@ -43,7 +43,7 @@ import torch
 
 from .allocator import CachingAllocator, SimulatedDevice, use_cpu_device
 from .allocator.device import reset_cpu_device
-from .cards import Card, card as card_named
+from .cards import Card, card as card_named, rehearsed_card
 from .counter import FAKE_LEDGER, INTERRUPTS, LEDGER
 
 __all__ = ["SimulatedCuda", "on_card", "CardRun", "simulated_cuda"]
@@ -152,8 +152,6 @@ class _CardDevice(SimulatedDevice):
 
 def _resolve_card(card) -> Card:
     if card is None:
-        from .lessons.sizes import rehearsed_card
-
         return rehearsed_card() or card_named(DEFAULT_CARD)
     if isinstance(card, Card):
         return card

@@ -16,15 +16,13 @@ allocator behind the CPU meter gets the card's memory, so what a lesson measures
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..cards import Card, card as card_named
+from ..cards import REHEARSE_VAR, Card, card as card_named, rehearsed_card
 
-REHEARSE_VAR = "GPUKIT_REHEARSE"
 BIG = 40e9  # bytes: a card with this much memory or more gets the large sizes
 
 # notebook -> tier -> sizes. "gpu" serves both GPU tiers where they agree; "t4" and "h100" where they do not.
@@ -167,12 +165,6 @@ class LessonSettings:
         fewer = "; ".join(f"{k} {new} (the card's: {old})" for k, (old, new) in self.shortened.items())
         return f"{self.notebook} on {on}: {where}: {listed}" + (
             f"; timed steps repeated fewer times in a rehearsal: {fewer}" if fewer else "")
-
-
-def rehearsed_card() -> Card | None:
-    """The card a rehearsal runs for (``GPUKIT_REHEARSE``), or None."""
-    name = os.environ.get(REHEARSE_VAR, "").strip()
-    return card_named(name) if name else None
 
 
 def card_memory(c: Card) -> int:
