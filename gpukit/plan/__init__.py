@@ -82,11 +82,11 @@ from .candidates import (
     PRECISIONS,
     STRATEGIES,
     Candidate,
-    Plan,
     Row,
     Verification,
 )
 from .recipe import recipe_code
+from .result import Plan
 from .search import _Search
 from .verify import _time_fitting, _verify, run_candidate
 
