@@ -14,17 +14,18 @@ from collections import deque
 from .blocks import Block, BlockPool, ExpandableSegment
 from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMinBlockSize, kMinLargeAlloc,
                      kRoundLarge, kSmallBuffer, kSmallSize, roundup_power2_next_division)
-from .driver import _Driver
-from .expandable import _Expandable
-from .free import _Free
-from .oom import OOM_ADVICE, SimulatedOutOfMemoryError, _OutOfMemory, format_size
-from .snapshot import _Snapshot
-from .stats import _LARGE, _SMALL, POOL_NAMES, STAT_NAMES, _dec, _dec2, _inc, _inc2, _Statistics
+from .driver import DriverPart
+from .expandable import ExpandablePart
+from .free import FreePart
+from .oom import OOM_ADVICE, OutOfMemoryPart, SimulatedOutOfMemoryError, format_size
+from .snapshot import SnapshotPart
+from .stats import (LARGE_POOL, POOL_NAMES, SMALL_POOL, STAT_NAMES, StatisticsPart, decrease_in_pool, increase,
+                    increase_in_pool)
 
 SIMULATED = "simulated CUDA caching allocator"
 
 
-class CachingAllocator(_Statistics, _Driver, _Expandable, _Free, _OutOfMemory, _Snapshot):
+class CachingAllocator(StatisticsPart, DriverPart, ExpandablePart, FreePart, OutOfMemoryPart, SnapshotPart):
     """One simulated CUDA device and its caching allocator.
 
     Args:
@@ -238,7 +239,7 @@ class CachingAllocator(_Statistics, _Driver, _Expandable, _Free, _OutOfMemory, _
     def _alloc_found_block(self, block: Block, pool: BlockPool, stream: int, size: int, orig_size: int,
                            split: bool) -> int:
         st = self.stats
-        p = _SMALL if pool.is_small else _LARGE
+        p = SMALL_POOL if pool.is_small else LARGE_POOL
         already_split = block.is_split()
         if split:
             remaining = block
@@ -254,13 +255,13 @@ class CachingAllocator(_Statistics, _Driver, _Expandable, _Free, _OutOfMemory, _
             pool.insert(remaining)
             if block.es is None:
                 if already_split:
-                    _dec2(st[7], p, block.size)
+                    decrease_in_pool(st[7], p, block.size)
                 else:
-                    _inc2(st[7], p, remaining.size)
-                    _inc2(st[3], p, 1)
+                    increase_in_pool(st[7], p, remaining.size)
+                    increase_in_pool(st[3], p, 1)
         elif already_split and block.es is None:
-            _dec2(st[7], p, block.size)
-            _dec2(st[3], p, 1)
+            decrease_in_pool(st[7], p, block.size)
+            decrease_in_pool(st[3], p, 1)
         block.allocated = True
         block.requested = orig_size
         self.active[block.addr] = block
@@ -285,7 +286,7 @@ class CachingAllocator(_Statistics, _Driver, _Expandable, _Free, _OutOfMemory, _
                 s[1] = c
             s[2] += orig_size
         if block.size >= self.config.max_split_size:
-            _inc(self.oversize_allocations, 1)
+            increase(self.oversize_allocations, 1)
         if self.trace is not None:
             self.trace.append(("alloc", block.addr, orig_size, stream))
         return block.addr

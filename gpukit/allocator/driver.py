@@ -7,10 +7,10 @@ from bisect import bisect_left
 
 from .blocks import Block, BlockPool
 from .config import SIZE_MAX, kRoundLarge
-from .stats import _LARGE, _SMALL, _dec, _dec2, _inc, _inc2
+from .stats import LARGE_POOL, SMALL_POOL, decrease, decrease_in_pool, increase, increase_in_pool
 
 
-class _Driver:
+class DriverPart:
     """The allocator's part that holds segments of device memory (``total_allocated_memory``)."""
 
     def _device_free(self) -> int:
@@ -37,11 +37,11 @@ class _Driver:
             return None
         self.total_allocated_memory += alloc_size
         block = Block(self._new_address(alloc_size), alloc_size, stream, pool)
-        p = _SMALL if pool.is_small else _LARGE
-        _inc2(self.stats[1], p, 1)
-        _inc2(self.stats[5], p, alloc_size)
+        p = SMALL_POOL if pool.is_small else LARGE_POOL
+        increase_in_pool(self.stats[1], p, 1)
+        increase_in_pool(self.stats[5], p, alloc_size)
         if alloc_size >= self.config.max_split_size:
-            _inc(self.oversize_segments, 1)
+            increase(self.oversize_segments, 1)
         self.counters["num_device_alloc"] += 1
         if self.trace is not None:
             self.trace.append(("segment_alloc", block.addr, alloc_size, stream))
@@ -99,11 +99,11 @@ class _Driver:
         if self.trace is not None:
             self.trace.append(("segment_free", b.addr, b.size, b.stream))
         self.total_allocated_memory -= b.size
-        p = _SMALL if pool.is_small else _LARGE
-        _dec2(self.stats[1], p, 1)
-        _dec2(self.stats[5], p, b.size)
+        p = SMALL_POOL if pool.is_small else LARGE_POOL
+        decrease_in_pool(self.stats[1], p, 1)
+        decrease_in_pool(self.stats[5], p, b.size)
         if b.size >= self.config.max_split_size:
-            _dec(self.oversize_segments, 1)
+            decrease(self.oversize_segments, 1)
         pool.erase(b)
 
     def _garbage_collect_cached_blocks(self) -> None:

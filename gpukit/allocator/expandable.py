@@ -7,10 +7,10 @@ from bisect import bisect_left, insort
 
 from .blocks import Block, BlockPool, ExpandableSegment
 from .config import kLargeBuffer, kSmallBuffer
-from .stats import _LARGE, _SMALL, _dec2, _inc2
+from .stats import LARGE_POOL, SMALL_POOL, decrease_in_pool, increase_in_pool
 
 
-class _Expandable:
+class ExpandablePart:
     """The allocator's part that maps and unmaps the pages of its expandable segments."""
 
     def _find_expandable_block(self, pool: BlockPool, stream: int, size: int) -> Block:
@@ -99,7 +99,7 @@ class _Expandable:
         self._try_merge_blocks(to_map, to_map.next, pool)
         pool.insert(to_map)
         self.total_allocated_memory += mapped
-        _inc2(self.stats[5], _SMALL if pool.is_small else _LARGE, mapped)
+        increase_in_pool(self.stats[5], SMALL_POOL if pool.is_small else LARGE_POOL, mapped)
         self.counters["num_device_alloc"] += 1
         if self.trace is not None:
             self.trace.append(("segment_map", to_map.addr, mapped, to_map.stream))
@@ -154,7 +154,7 @@ class _Expandable:
         self._try_merge_blocks(b, b.next, pool)
         self._insert_unmapped(pool, b)
         self.total_allocated_memory -= u_size
-        _dec2(self.stats[5], _SMALL if pool.is_small else _LARGE, u_size)
+        decrease_in_pool(self.stats[5], SMALL_POOL if pool.is_small else LARGE_POOL, u_size)
         self.counters["num_device_free"] += 1
         if self.trace is not None:
             self.trace.append(("segment_unmap", u_addr, u_size, b.stream))

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import deque
 
 from .blocks import Block, BlockPool
-from .stats import _LARGE, _SMALL, _dec, _dec2, _inc2
+from .stats import LARGE_POOL, SMALL_POOL, decrease, decrease_in_pool, increase_in_pool
 
 
-class _Free:
+class FreePart:
     """The allocator's part that frees blocks, now or once the streams that used them are done."""
 
     def record_stream(self, addr: int, stream: int) -> None:
@@ -41,14 +41,14 @@ class _Free:
         self.generation += 1
         b.allocated = False
         pool = b.pool
-        p = _SMALL if pool.is_small else _LARGE
+        p = SMALL_POOL if pool.is_small else LARGE_POOL
         st = self.stats
-        _dec2(st[0], p, 1)
-        _dec2(st[4], p, b.size)
+        decrease_in_pool(st[0], p, 1)
+        decrease_in_pool(st[4], p, b.size)
         if self.trace is not None:
             self.trace.append(("free_requested", b.addr, b.requested, b.stream))
         if b.size >= self.config.max_split_size:
-            _dec(self.oversize_allocations, 1)
+            decrease(self.oversize_allocations, 1)
         if b.stream_uses:  # insert_events: one event on each stream that used the block
             b.event_count = len(b.stream_uses)
             for used in sorted(b.stream_uses):
@@ -76,16 +76,16 @@ class _Free:
             n_blocks += 1
             n_bytes += b.size
         st = self.stats
-        p = _SMALL if pool.is_small else _LARGE
+        p = SMALL_POOL if pool.is_small else LARGE_POOL
         if b.es is None:
             if n_blocks > 0:
-                _inc2(st[3], p, n_blocks)
+                increase_in_pool(st[3], p, n_blocks)
             elif n_blocks < 0:
-                _dec2(st[3], p, -n_blocks)
+                decrease_in_pool(st[3], p, -n_blocks)
             if n_bytes > 0:
-                _inc2(st[7], p, n_bytes)
+                increase_in_pool(st[7], p, n_bytes)
             elif n_bytes < 0:
-                _dec2(st[7], p, -n_bytes)
+                decrease_in_pool(st[7], p, -n_bytes)
         for arr, v in ((st[2], 1), (st[6], size), (st[8], requested)):
             for s in (arr[0], arr[p]):
                 s[0] -= v

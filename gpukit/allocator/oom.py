@@ -33,7 +33,7 @@ def simulated_label(name: str | None) -> str:
     return f"[{card}: gpukit's model of the CUDA caching allocator; no GPU ran this] "
 
 
-class _OutOfMemory:
+class OutOfMemoryPart:
     """The allocator's part that words and raises its out-of-memory error."""
 
     def oom_message(self, alloc_size: int) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from .blocks import Block
 from .config import SIZE_MAX, kRoundLarge
-from .stats import _LARGE, _SMALL, _inc2
+from .stats import LARGE_POOL, SMALL_POOL, increase_in_pool
 
 
-class _Snapshot:
+class SnapshotPart:
     """The allocator's part that describes its state and sets one up."""
 
     def segments(self) -> list[dict]:
@@ -107,7 +107,7 @@ class _Snapshot:
         """
         self.generation += 1
         pool = self.small if small else self.large
-        p = _SMALL if small else _LARGE
+        p = SMALL_POOL if small else LARGE_POOL
         pieces = []
         at = addr
         for a, n, req in sorted(allocated):
@@ -120,8 +120,8 @@ class _Snapshot:
         if at < addr + size:
             pieces.append((at, addr + size - at, None))
         self.total_allocated_memory += size
-        _inc2(self.stats[1], p, 1)
-        _inc2(self.stats[5], p, size)
+        increase_in_pool(self.stats[1], p, 1)
+        increase_in_pool(self.stats[5], p, size)
         self._next_addr = max(self._next_addr, -(-(addr + size) // kRoundLarge) * kRoundLarge)
         prev = None
         split = len(pieces) > 1
@@ -134,12 +134,12 @@ class _Snapshot:
             if req is None:
                 pool.insert(b)
                 if split:
-                    _inc2(self.stats[3], p, 1)
-                    _inc2(self.stats[7], p, n)
+                    increase_in_pool(self.stats[3], p, 1)
+                    increase_in_pool(self.stats[7], p, n)
             else:
                 b.allocated = True
                 b.requested = req
                 self.active[a] = b
                 for k, v in ((0, 1), (4, n), (2, 1), (6, n), (8, req)):
-                    _inc2(self.stats[k], p, v)
+                    increase_in_pool(self.stats[k], p, v)
 

@@ -8,10 +8,10 @@ from .config import SIZE_MAX
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
               "active_bytes", "inactive_split_bytes", "requested_bytes")
 POOL_NAMES = ("all", "small_pool", "large_pool")
-_SMALL, _LARGE = 1, 2
+SMALL_POOL, LARGE_POOL = 1, 2  # where a pool's figures sit in a statistic's array (0: all pools)
 
 
-class _Statistics:
+class StatisticsPart:
     """The allocator's part that reads and resets its statistics (``CachingAllocator.stats``)."""
 
     def memory_allocated(self) -> int:
@@ -145,19 +145,23 @@ class _Statistics:
             s[2] = s[3] = 0
 
 
-def _inc(s: list, n: int) -> None:
+def increase(s: list, n: int) -> None:
+    """One statistic ``[current, peak, allocated, freed]`` up by ``n``, as c10's ``Stat::increase``."""
     s[0] += n
     if s[0] > s[1]:
         s[1] = s[0]
     s[2] += n
 
 
-def _dec(s: list, n: int) -> None:
+def decrease(s: list, n: int) -> None:
+    """One statistic ``[current, peak, allocated, freed]`` down by ``n``, as c10's ``Stat::decrease``."""
     s[0] -= n
     s[3] += n
 
 
-def _inc2(arr: list, p: int, n: int) -> None:
+def increase_in_pool(arr: list, p: int, n: int) -> None:
+    """A statistic's array up by ``n``: its all-pools figure and pool ``p``'s (``SMALL_POOL``, ``LARGE_POOL``), as
+    c10's ``update_stat_array`` (written out: it runs on every allocation)."""
     s = arr[0]
     s[0] += n
     if s[0] > s[1]:
@@ -170,7 +174,8 @@ def _inc2(arr: list, p: int, n: int) -> None:
     s[2] += n
 
 
-def _dec2(arr: list, p: int, n: int) -> None:
+def decrease_in_pool(arr: list, p: int, n: int) -> None:
+    """A statistic's array down by ``n``: its all-pools figure and pool ``p``'s."""
     s = arr[0]
     s[0] -= n
     s[3] += n
