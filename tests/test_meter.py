@@ -132,12 +132,12 @@ def test_resize_is_counted():
 def test_views_and_in_place_ops_count_nothing_and_an_out_op_that_grows_its_output_counts_the_growth():
     """Device: cpu. The counter skips ops whose outputs only alias their inputs (their schemas say so), but not
     an ``out=`` op, which resizes an output that is too small, nor ``resize_`` or ``set_``."""
-    from gpukit.counter import _aliases_only
+    from gpukit.counter.mode import aliases_only
 
     aten = torch.ops.aten
-    assert all(_aliases_only(op) for op in (aten.view.default, aten.t.default, aten.split.Tensor,
+    assert all(aliases_only(op) for op in (aten.view.default, aten.t.default, aten.split.Tensor,
                                             aten.detach.default, aten.add_.Tensor, aten.mul_.Tensor))
-    assert not any(_aliases_only(op) for op in (aten.add.Tensor, aten.add.out, aten.resize_.default,
+    assert not any(aliases_only(op) for op in (aten.add.Tensor, aten.add.out, aten.resize_.default,
                                                 aten.set_.source_Storage, aten.resize_as_.default,
                                                 aten.lift_fresh.default))
     a, out = torch.ones(1000), torch.empty(0)
@@ -388,14 +388,14 @@ def test_outputs_that_are_parameters_or_several_tensors_are_counted_once():
 def test_a_storage_queued_twice_is_booked_once():
     """Device: cpu. A Ctrl-C between queueing a storage and filing it leaves it queued but unknown, so a
     later op queues it again: the second record must not count it twice (nor its free)."""
-    from gpukit.counter import _QUEUED, _StorageRef
+    from gpukit.counter.records import QUEUED, StorageRef
 
     with gpukit.measure(device="cpu", record=False) as r:
         t = torch.empty(1000)
         LEDGER.settle()
         st = t.untyped_storage()
-        again = _StorageRef(st, LEDGER._queue.append)
-        again.key, again.nbytes, again.state = id(st), st.nbytes(), _QUEUED
+        again = StorageRef(st, LEDGER._queue.append)
+        again.key, again.nbytes, again.state = id(st), st.nbytes(), QUEUED
         LEDGER._queue.append(again)
         LEDGER.settle()
         assert LEDGER.live_rounded - r.live_start == round_up(4000)

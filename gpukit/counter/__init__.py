@@ -59,16 +59,13 @@ The package, one job a module:
   the counter switched on and off (``Ledger``, ``LEDGER``, ``FAKE_LEDGER``).
 """
 
-from .interrupts import INTERRUPTS, _DeferredInterrupts
+from .interrupts import INTERRUPTS
 from .ledger import FAKE_LEDGER, LEDGER, Ledger
-from .limits import _FRESH_BYTES, _KEYABLE, _fmt, _meta_key, _numel, _on_meta, _requests
-from .mode import (_ALIASES, _PLAIN_TENSORS, CompileRanEagerWarning, _alias_entry, _aliases_only, _CountingMode,
-                   _dispatches, _PerThread, user_stacklevel, warn_compile_ran_eagerly)
-from .records import _FREED, _LIVE, _QUEUED, Tally, _claim, _StorageRef
-from .scan import _SAVED_NAMES, _saved_tensors, _tensor_types, _TensorKinds, gc_paused
-from .sizes import (_ALIGNMENT_LESS_ONE, _ALIGNMENT_MASK, ALIGNMENT, SMALL_REQUEST, allocated_size,
-                    allocated_size_range, cuda_allocated_range, round_up)
+from .mode import CompileRanEagerWarning, user_stacklevel, warn_compile_ran_eagerly
+from .records import Tally
+from .scan import gc_paused, saved_tensors
+from .sizes import ALIGNMENT, SMALL_REQUEST, allocated_size, allocated_size_range, cuda_allocated_range, round_up
 
-__all__ = ["ALIGNMENT", "CompileRanEagerWarning", "FAKE_LEDGER", "INTERRUPTS", "LEDGER", "Ledger", "SMALL_REQUEST", "Tally", "allocated_size",
-           "allocated_size_range", "cuda_allocated_range", "gc_paused", "round_up", "user_stacklevel",
-           "warn_compile_ran_eagerly"]
+__all__ = ["ALIGNMENT", "CompileRanEagerWarning", "FAKE_LEDGER", "INTERRUPTS", "LEDGER", "Ledger", "SMALL_REQUEST",
+           "Tally", "allocated_size", "allocated_size_range", "cuda_allocated_range", "gc_paused", "round_up",
+           "saved_tensors", "user_stacklevel", "warn_compile_ran_eagerly"]

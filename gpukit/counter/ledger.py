@@ -13,14 +13,14 @@ import torch
 
 from .._torch import is_traceable_wrapper_subclass, reset_dispatch_mode_flags, set_storage_resize, storage_resize
 from .interrupts import INTERRUPTS
-from .limits import _Limits
-from .mode import _CountingMode, _PerThread
-from .records import _FREED, _LIVE, _QUEUED, Tally, _claim, _StorageRef
-from .scan import _Scan, _TensorKinds
-from .sizes import _ALIGNMENT_LESS_ONE, _ALIGNMENT_MASK, round_up
+from .limits import Limits
+from .mode import CountingMode, PerThread
+from .records import FREED, LIVE, QUEUED, StorageRef, Tally, claim
+from .scan import Scan, TensorKinds
+from .sizes import ALIGNMENT_LESS_ONE, ALIGNMENT_MASK, round_up
 
 
-class Ledger(_Limits, _Scan):
+class Ledger(Limits, Scan):
     """Every live storage of one kind gpukit knows of, with its size.
 
     ``Ledger()`` counts real CPU memory (``LEDGER``, one per process);
@@ -34,7 +34,7 @@ class Ledger(_Limits, _Scan):
         self.labels: dict[int, str] = {}  # fake ledger: id(storage) -> the device its tensor shows
         self.live_by_label: dict[str, int] = {}  # fake ledger: rounded live bytes per device shown
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes, unrounded
-        self._refs: dict[int, _StorageRef] = {}
+        self._refs: dict[int, StorageRef] = {}
         # Storages made inside blocks, and storages that died: a storage's record is put here by the counting
         # mode when the storage is made, and again by its weak reference when it dies (deque.append: no Python
         # code runs, so nothing can interrupt it). ``settle`` books them in that order before anything reads a
@@ -44,8 +44,8 @@ class Ledger(_Limits, _Scan):
         self.quick = not fake  # whether the counting mode may queue (False while a block books eagerly)
         self._eager = 0  # open blocks that book every allocation as it happens
         self._lock = threading.RLock()  # one thread at a time changes the counts
-        self._thread = _PerThread()
-        self._pushed: dict[_CountingMode, threading.Thread] = {}  # counting modes on a thread's stack
+        self._thread = PerThread()
+        self._pushed: dict[CountingMode, threading.Thread] = {}  # counting modes on a thread's stack
         self.tallies: list[Tally] = []  # every open block, on every thread
         self.limits: list[int] = []  # active budgets (gpukit.budget), in rounded bytes
         self._live = 0  # bytes of all known storages, unrounded
@@ -53,7 +53,7 @@ class Ledger(_Limits, _Scan):
         self.listener = None  # a gpukit.allocator.SimulatedDevice told of every allocation and free
         self._orig_storage_resize = None
         self._resize_wrapper = None  # the last UntypedStorage.resize_ wrapper made (its __wrapped__: what it wraps)
-        self._tensors: dict[int, _StorageRef] = {}  # every tensor object found by a scan, by id
+        self._tensors: dict[int, StorageRef] = {}  # every tensor object found by a scan, by id
         self._dead_tensors: collections.deque = collections.deque()  # their references, once dead (as _queue)
         # Generational scans rely on CPython <= 3.13's three-generation collector.
         self._incremental = sys.version_info < (3, 14)
@@ -61,7 +61,7 @@ class Ledger(_Limits, _Scan):
         # first scan is a full one). Read, not reported by a gc callback: no gpukit code runs inside a
         # collection, where CPython drops any exception, a KeyboardInterrupt from Ctrl-C included.
         self._gc_runs: list[int] | None = None
-        self._kinds = _TensorKinds()
+        self._kinds = TensorKinds()
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -105,30 +105,30 @@ class Ledger(_Limits, _Scan):
             while queue:
                 ref = queue[0]
                 key, state = ref.key, ref.state
-                if state == _QUEUED:  # made inside a block
-                    if refs.get(key) is not ref and not _claim(refs, ref):
+                if state == QUEUED:  # made inside a block
+                    if refs.get(key) is not ref and not claim(refs, ref):
                         popleft()
                         continue
                     nbytes = ref.nbytes
                     if event is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
                         event((key, nbytes))
-                    ref.state = _LIVE
+                    ref.state = LIVE
                     sizes[key] = nbytes
-                    change += (nbytes + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK  # round_up, written out
+                    change += (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK  # round_up, written out
                     change_unrounded += nbytes
                     if change > top:
                         top = change
                     if change_unrounded > top_unrounded:
                         top_unrounded = change_unrounded
-                elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
-                    ref.state = _FREED
+                elif state == LIVE:  # died (a storage whose id was taken again while it waited here too)
+                    ref.state = FREED
                     if refs.get(key) is ref:
                         del refs[key]
                     if event is not None:
                         event((key, 0))
                     nbytes = sizes.pop(key, 0)
                     if nbytes:
-                        change -= (nbytes + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK
+                        change -= (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK
                         change_unrounded -= nbytes
                 popleft()
         finally:
@@ -149,17 +149,17 @@ class Ledger(_Limits, _Scan):
         while queue:
             ref = queue[0]
             key, state = ref.key, ref.state
-            if state == _QUEUED:  # made inside a block
-                if refs.get(key) is not ref and not _claim(refs, ref):
+            if state == QUEUED:  # made inside a block
+                if refs.get(key) is not ref and not claim(refs, ref):
                     queue.popleft()
                     continue
                 if self.listener is not None and self.listener.only is None:  # (queued storages have no label)
                     self.listener.on_alloc(key, ref.nbytes, True)
-                ref.state = _LIVE
+                ref.state = LIVE
                 sizes[key] = ref.nbytes
                 self._allocated(ref.nbytes)
-            elif state == _LIVE:  # died (a storage whose id was taken again while it waited here too)
-                ref.state = _FREED
+            elif state == LIVE:  # died (a storage whose id was taken again while it waited here too)
+                ref.state = FREED
                 if refs.get(key) is ref:
                     del refs[key]
                 if self.listener is not None:
@@ -206,8 +206,8 @@ class Ledger(_Limits, _Scan):
         key = id(storage)
         if self.listener is not None and self.listener.only in (None, label):  # first: a simulated OOM leaves the
             self.listener.on_alloc(key, nbytes, counted)                       # storage untracked
-        ref = _StorageRef(storage, self._enqueue)
-        ref.key, ref.nbytes, ref.state = key, nbytes, _LIVE
+        ref = StorageRef(storage, self._enqueue)
+        ref.key, ref.nbytes, ref.state = key, nbytes, LIVE
         self._refs[key] = ref
         self.sizes[key] = nbytes
         if label is not None:
@@ -243,7 +243,7 @@ class Ledger(_Limits, _Scan):
                 if self.listener is not None:
                     self.listener.on_free(key)
                 self._freed(self.sizes.pop(key), self.labels.pop(key, None))
-                self._refs.pop(key).state = _FREED  # its death, still to come through the queue, is not counted
+                self._refs.pop(key).state = FREED  # its death, still to come through the queue, is not counted
                 known = None
             if known is None:
                 error = self._over_budget(nbytes)
@@ -304,7 +304,7 @@ class Ledger(_Limits, _Scan):
             if mode is None:
                 mode = self._thread.idle
                 if mode is None:
-                    mode = _CountingMode(self)
+                    mode = CountingMode(self)
                 else:
                     self._thread.idle = None
                     mode.saw_compile = False  # a new block: warned once more
@@ -414,7 +414,7 @@ class Ledger(_Limits, _Scan):
         return bool(self.tallies) or any(m.blocks for m in self._pushed)
 
 
-INTERRUPTS.protect(_claim, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
+INTERRUPTS.protect(claim, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
                    Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 

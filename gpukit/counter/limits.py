@@ -8,11 +8,11 @@ import math
 import torch
 
 from .._torch import tree_flatten
-from .mode import _ALIASES, _alias_entry
+from .mode import ALIASES, alias_entry
 from .sizes import round_up
 
 
-class _Limits:
+class Limits:
     """The ledger's part that checks its budgets (``Ledger.limits``)."""
 
     def _over_budget(self, nbytes: int, storage: torch.UntypedStorage | None = None
@@ -116,7 +116,7 @@ def _requests(func, args, kwargs) -> list[tuple["torch.UntypedStorage | None", i
             found.append((None, self.numel() * itemsize))
         if found:
             return found
-    aliases = _ALIASES.get(id(func)) or _alias_entry(func)
+    aliases = ALIASES.get(id(func)) or alias_entry(func)
     if aliases[1]:
         return found  # a view or an in-place op: no new storage
     try:

@@ -15,7 +15,7 @@ import torch
 from .._torch import (FakeTensor, TorchDispatchMode, disabled_torch_dispatch_impl, dynamo_code_in_question,
                       let_dynamo_trace_again, never_traced, op_entry_point)
 from .interrupts import INTERRUPTS
-from .records import _QUEUED, _StorageRef
+from .records import QUEUED, StorageRef
 
 
 class CompileRanEagerWarning(UserWarning):
@@ -36,7 +36,7 @@ def user_stacklevel() -> int:
 
 
 def warn_compile_ran_eagerly() -> None:
-    """Warn that torch.compile ran eagerly in a measured CPU block (once per block; see _CountingMode)."""
+    """Warn that torch.compile ran eagerly in a measured CPU block (once per block; see CountingMode)."""
     warnings.warn(
         "torch.compile ran eagerly inside a gpukit block on the CPU: dynamo does not compile while a "
         "TorchDispatchMode is active, and gpukit counts CPU memory with one. So the figures are those of the "
@@ -46,9 +46,9 @@ def warn_compile_ran_eagerly() -> None:
         CompileRanEagerWarning, stacklevel=user_stacklevel())
 
 
-class _PerThread(threading.local):
-    mode: "_CountingMode | None" = None  # this thread's counting mode, while it has a block open
-    idle: "_CountingMode | None" = None  # the mode its last block popped, pushed again by its next one
+class PerThread(threading.local):
+    mode: "CountingMode | None" = None  # this thread's counting mode, while it has a block open
+    idle: "CountingMode | None" = None  # the mode its last block popped, pushed again by its next one
 
 
 def _dispatches(cls: type) -> bool:
@@ -56,7 +56,7 @@ def _dispatches(cls: type) -> bool:
     return getattr(cls, "__torch_dispatch__", None) is not disabled_torch_dispatch_impl
 
 
-class _CountingMode(TorchDispatchMode):
+class CountingMode(TorchDispatchMode):
     """Sees every op a thread runs inside measured blocks and hands its output tensors to the ledger."""
 
     def __init__(self, ledger: "Ledger") -> None:
@@ -101,7 +101,7 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         __tracebackhide__ = True  # IPython and pytest end a budget's OutOfMemoryError at the user's op
-        if not _PLAIN_TENSORS.issuperset(types) and any(t not in self.own_types and _dispatches(t)
+        if not PLAIN_TENSORS.issuperset(types) and any(t not in self.own_types and _dispatches(t)
                                                           for t in types):
             if any(issubclass(t, FakeTensor) for t in types):
                 return func(*args, **(kwargs or {}))  # fake tensors hold no memory to count here
@@ -116,16 +116,16 @@ class _CountingMode(TorchDispatchMode):
             # The hot path: the op's new storages are queued, booked in order with the frees at the next
             # bookkeeping step (Ledger.settle), before anything reads the counts. Every op of a measured
             # step comes here, so it is written out: no call but the op and the storage's own methods. The op
-            # runs through its C++ entry point where its Python __call__ would only forward to it (_alias_entry).
-            entry = _ALIASES.get(id(func))  # (by id: an op's own __hash__ is Python code)
+            # runs through its C++ entry point where its Python __call__ would only forward to it (alias_entry).
+            entry = ALIASES.get(id(func))  # (by id: an op's own __hash__ is Python code)
             if entry is None:
-                entry = _alias_entry(func)
+                entry = alias_entry(func)
             out = entry[2](*args, **kwargs) if kwargs else entry[2](*args)
             if entry[1]:  # a view, or an in-place op: no storage made, none resized
                 if INTERRUPTS.pending:
                     INTERRUPTS.deliver()
                 return out
-            if type(out) in _PLAIN_TENSORS:
+            if type(out) in PLAIN_TENSORS:
                 outs = (out,)
             elif isinstance(out, (tuple, list)):
                 outs = out
@@ -134,7 +134,7 @@ class _CountingMode(TorchDispatchMode):
                 if isinstance(out, torch.Tensor):
                     self._see_nested(out)
             for t in outs:
-                if type(t) not in _PLAIN_TENSORS:  # (a parameter comes back from the optimizer's in-place ops)
+                if type(t) not in PLAIN_TENSORS:  # (a parameter comes back from the optimizer's in-place ops)
                     if isinstance(t, (torch.Tensor, tuple, list)):
                         self._see_nested(t)
                     continue
@@ -145,8 +145,8 @@ class _CountingMode(TorchDispatchMode):
                 known = ledger._refs.get(key)
                 if known is None or known() is not st:
                     enqueue = ledger._enqueue
-                    ref = _StorageRef(st, enqueue)
-                    ref.key, ref.nbytes, ref.state = key, st.nbytes(), _QUEUED
+                    ref = StorageRef(st, enqueue)
+                    ref.key, ref.nbytes, ref.state = key, st.nbytes(), QUEUED
                     # Queued first: a Ctrl-C between these two lines leaves a record the queue books (and
                     # books once, should the storage be queued again), never a storage known but not counted.
                     enqueue(ref)
@@ -191,21 +191,21 @@ class _CountingMode(TorchDispatchMode):
                     see(o)
 
 
-never_traced(_CountingMode.__torch_dispatch__.__code__)
+never_traced(CountingMode.__torch_dispatch__.__code__)
 
 
-# id(op) -> (op, whether it only returns tensors of storages its inputs have: _aliases_only, what runs it:
+# id(op) -> (op, whether it only returns tensors of storages its inputs have: aliases_only, what runs it:
 # op_entry_point). Keyed by id, since hashing an OpOverload runs Python code (its __hash__) on every op of a
 # measured step; the entry holds the op, so no other object can take its id while the entry exists.
-_ALIASES: dict = {}
+ALIASES: dict = {}
 
 
-def _alias_entry(func) -> tuple:
-    entry = _ALIASES[id(func)] = (func, _aliases_only(func), op_entry_point(func))
+def alias_entry(func) -> tuple:
+    entry = ALIASES[id(func)] = (func, aliases_only(func), op_entry_point(func))
     return entry
 
 
-def _aliases_only(func) -> bool:
+def aliases_only(func) -> bool:
     """Whether every tensor an op returns aliases one of its inputs, and it cannot change a storage's size:
     views (``view``, ``t``, ``split``, ``detach``) and in-place ops (``add_``, ``mul_``); not ``out=`` ops, which
     may resize their output, nor ``resize_`` and ``set_``. From the op's schema: its returns' alias annotations
@@ -223,4 +223,4 @@ def _aliases_only(func) -> bool:
         return False
     return all(not r.alias_info.is_write for r in returns) or name.endswith("_")
 
-_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # tensor types with nothing of their own to unwrap
+PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # tensor types with nothing of their own to unwrap

@@ -27,22 +27,22 @@ class Tally:
 # A storage's record moves through these states: queued by the counting mode (made, not yet booked), booked
 # (counted live), freed. The same record goes through the ledger's queue twice: once when the storage is made,
 # once when it dies (its weak reference's callback), so the queue keeps allocations and frees in their order.
-_QUEUED, _LIVE, _FREED = 0, 1, 2
+QUEUED, LIVE, FREED = 0, 1, 2
 
 
-class _StorageRef(weakref.ref):
+class StorageRef(weakref.ref):
     """A weak reference to a storage (or a tensor object) that knows the key it is filed under, and for a
     storage its size when made and its state."""
 
     __slots__ = ("key", "nbytes", "state")
 
 
-def _claim(refs: dict, ref: _StorageRef) -> bool:
+def claim(refs: dict, ref: StorageRef) -> bool:
     """File a queued record under its key, unless the storage is already booked under another record (queued
     again after an interrupted record): then this one is dropped (False)."""
     current = refs.get(ref.key)
-    if current is not None and current.state == _LIVE and current() is not None and current() is ref():
-        ref.state = _FREED
+    if current is not None and current.state == LIVE and current() is not None and current() is ref():
+        ref.state = FREED
         return False
     refs[ref.key] = ref
     return True

@@ -11,11 +11,11 @@ import itertools
 import torch
 
 from .._torch import FakeTensor, _disable_current_modes, is_traceable_wrapper_subclass
-from .mode import _PLAIN_TENSORS
-from .records import _StorageRef
+from .mode import PLAIN_TENSORS
+from .records import StorageRef
 
 
-class _Scan:
+class Scan:
     """The ledger's part that finds the storages of tensors made before its blocks."""
 
     def adopt_existing(self) -> None:
@@ -53,15 +53,15 @@ class _Scan:
                 known = tensors.get(id(obj))
                 if known is not None and known() is obj:
                     continue
-                if type(obj) in _PLAIN_TENSORS or self._keep(obj):
+                if type(obj) in PLAIN_TENSORS or self._keep(obj):
                     # The callback is deque.append, as for storages: no Python code runs when a tensor dies.
-                    ref = tensors[id(obj)] = _StorageRef(obj, dead.append)
+                    ref = tensors[id(obj)] = StorageRef(obj, dead.append)
                     ref.key = id(obj)
                 else:
                     self._read(obj, [])
         obj = found = None
         graph_roots: list = []
-        sizes, plain, strided = self.sizes, (_PLAIN_TENSORS if not self.fake else ()), torch.strided
+        sizes, plain, strided = self.sizes, (PLAIN_TENSORS if not self.fake else ()), torch.strided
         for ref in list(tensors.values()):
             obj = ref()
             if obj is None:
@@ -95,7 +95,7 @@ class _Scan:
             # into a new fake one, which the fake ledger would adopt and then see die inside the block,
             # lowering its peak. The graphs are read with the thread's modes off.
             with _disable_current_modes():
-                for t in _saved_tensors(graph_roots):
+                for t in saved_tensors(graph_roots):
                     self._adopt(t)
 
     def _keep(self, t: torch.Tensor) -> bool:
@@ -123,7 +123,7 @@ class _Scan:
             pass
 
     def _adopt(self, t: torch.Tensor) -> None:
-        if type(t) in _PLAIN_TENSORS and not self.fake:  # every block re-reads each known tensor: the common case
+        if type(t) in PLAIN_TENSORS and not self.fake:  # every block re-reads each known tensor: the common case
             if t.is_cpu and t.layout is torch.strided:
                 st = t.untyped_storage()
                 if id(st) not in self.sizes:
@@ -156,7 +156,7 @@ def _tensor_types() -> frozenset:
     return frozenset(kinds)
 
 
-class _TensorKinds:
+class TensorKinds:
     """The tensor types among a scan's objects, known without walking every subclass of ``torch.Tensor`` each
     time (a process with IPython and torch's subsystems loaded has many: the walk cost a block 40 us): the
     types met before are remembered as tensor types or not, and only a type not met before is asked."""
@@ -225,7 +225,7 @@ def gc_paused(full: bool = True):
             gc.enable()
 
 
-def _saved_tensors(roots) -> list[torch.Tensor]:
+def saved_tensors(roots) -> list[torch.Tensor]:
     """Tensors saved for backward by the autograd graphs that ``roots`` lead to."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()

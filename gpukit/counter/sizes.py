@@ -7,8 +7,8 @@ import operator
 
 ALIGNMENT = 512  # the CUDA caching allocator rounds every block up to this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to this come from the small pool, split exactly
-# round_up(n) == (n + _ALIGNMENT_LESS_ONE) & _ALIGNMENT_MASK for every n >= 0 (ALIGNMENT is a power of two)
-_ALIGNMENT_LESS_ONE, _ALIGNMENT_MASK = ALIGNMENT - 1, -ALIGNMENT
+# round_up(n) == (n + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK for every n >= 0 (ALIGNMENT is a power of two)
+ALIGNMENT_LESS_ONE, ALIGNMENT_MASK = ALIGNMENT - 1, -ALIGNMENT
 
 
 def allocated_size(nbytes: int) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
-from ..counter import FAKE_LEDGER, _saved_tensors, round_up
+from ..counter import FAKE_LEDGER, saved_tensors, round_up
 from ..estimate import distinct_storages, state_bytes, storage_bytes
 from ..factories import fake_model, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
@@ -337,7 +337,7 @@ def saved_bytes(output) -> int:
     (``_saved_*``), which unpacks them: a saved-tensor hook of the model's own (its checkpointing) would run its
     unpacking, which can recompute and allocate; read it where the step ends."""
     roots = [t.grad_fn for t in batch_tensors(output) if t.grad_fn is not None]
-    return sum(t.numel() * t.element_size() for t in _saved_tensors(roots) if t.dim() > 0)
+    return sum(t.numel() * t.element_size() for t in saved_tensors(roots) if t.dim() > 0)
 
 
 def prefix_residual(found: dict) -> int:
