@@ -235,6 +235,15 @@ class _CardAttentionOnTheSimulatedDevice(TorchFunctionMode):
             scale=given.get("scale"))[0]
 
 
+@contextlib.contextmanager
+def card_kernels(capability: tuple[int, int]):
+    """The card's own kernels for the simulated GPU on ``meta``, where PyTorch would take others: ``fused=True``
+    optimizers, and the card's attention kernel instead of the math composite (which keeps the attention matrix
+    the card's fused kernels do not). ``predict_offload`` and ``on_card(cuda, gpu="meta")`` run under it."""
+    with _fused_on_the_simulated_device(), _CardAttentionOnTheSimulatedDevice(capability):
+        yield
+
+
 def _drop_parameter_hooks(model: nn.Module) -> None:
     """Take the post-accumulate-grad hooks off the prediction's own (fake) parameters. Such a hook is kept in C++
     (the parameter's autograd meta), where the garbage collector cannot see a cycle back to the parameter: torchao's
@@ -344,8 +353,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
     # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
     # pinned or pageable host memory), from the model's first tensor on, as in predict().
     with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            cuda_stand_ins(), _fused_on_the_simulated_device(), \
-            _CardAttentionOnTheSimulatedDevice(rules.capability), rules, \
+            cuda_stand_ins(), card_kernels(rules.capability), rules, \
             follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
@@ -402,4 +410,4 @@ def predict_offload(make_model: Callable[[], nn.Module],
                              attention_kernels=dict(rules.sdpa))
 
 
-__all__ = ["cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]
+__all__ = ["card_kernels", "cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

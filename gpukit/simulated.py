@@ -524,6 +524,10 @@ class _CardRunContext:
             stack.enter_context(swappable_fakes(mode))
             stack.enter_context(FakeKernelCheck())
             stack.enter_context(_card_rules(cuda.card.compute_capability, device))
+            if self.only == "meta":  # PyTorch's own kernels on meta are not the card's (fused, attention)
+                from .offload import card_kernels
+
+                stack.enter_context(card_kernels(cuda.card.compute_capability))
             self.values = stack.enter_context(_Healthy())
             stack.enter_context(warnings.catch_warnings())
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (see gpukit.estimate): torch's question

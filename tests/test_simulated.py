@@ -181,6 +181,28 @@ def test_a_card_run_with_a_host_places_only_the_gpus_side(cuda):
             pass
 
 
+def test_a_card_run_with_a_host_runs_the_cards_kernels_on_its_gpu_side(cuda):
+    """Device: cpu (a simulated T4; its GPU side on meta). On meta PyTorch itself takes the math attention, which keeps
+    the (batch, heads, queries, keys) matrix for backward; a T4 takes the memory-efficient kernel, which does not.
+    The step's peak on the card is the same whether the GPU side stands on the CPU or on meta: to the byte."""
+    def step(device):
+        cuda.empty_cache()
+        with on_card(cuda, gpu=device):
+            qkv = torch.nn.Linear(64, 3 * 64).to(device)
+            opt = torch.optim.AdamW(qkv.parameters(), fused=True)   # fused: meta is no fused device to torch
+            x = torch.randn(8, 512, 64, device=device)
+            cuda.reset_peak_memory_stats()
+            q, k, v = qkv(x).view(8, 512, 3, 4, 16).permute(2, 0, 3, 1, 4)      # (batch, 4 heads, queries, 16)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+            out.sum().backward()
+            opt.step()
+            return cuda.max_memory_allocated()
+
+    matrix = 8 * 4 * 512 * 512 * 4                    # the float32 (batch, heads, queries, keys) matrix
+    on_cpu, on_meta = step("cpu"), step("meta")
+    assert on_meta == on_cpu < matrix, (on_cpu, on_meta, matrix)
+
+
 def test_values_read_inside_a_card_run_are_made_up_and_counted(cuda):
     """Device: cpu. loss.item() on fake tensors reads a healthy step's value, and the run says how many were."""
     with on_card(cuda) as run:
