@@ -13,6 +13,7 @@ gpukit first tags memory by role), not a wrong figure later.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import threading
@@ -313,6 +314,103 @@ class ScalerThatAlwaysSteps(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
 
+# --- the user's own GradScaler under a prediction (gpukit.amp) ------------------------------------------------
+# torch/amp/grad_scaler.py: an enabled scaler keeps ``_scale`` (float32) and ``_growth_tracker`` (int32),
+# 0-dimensional tensors made on the loss's device by the first ``scale()`` (``_lazy_init_scale_growth_tracker``), and
+# per optimizer a ``found_inf`` per device in ``_per_optimizer_states`` (a defaultdict of
+# ``_refresh_per_optimizer_state``) from its ``unscale_`` to the next ``update()``. A disabled one (``enabled=False``,
+# or ``GradScaler("cuda")`` made where ``torch.cuda.amp.common.amp_definitely_not_available()``) keeps only
+# ``_device`` and ``_enabled``. The attributes a new enabled scaler has are checked here, on one made on the CPU.
+_grad_scaler_module = _require(torch.amp, "grad_scaler", "torch.amp")
+_refresh_per_optimizer_state = _require(_grad_scaler_module, "_refresh_per_optimizer_state", "torch.amp.grad_scaler")
+_SCALER_ATTRIBUTES = {"_device", "_enabled", "_init_scale", "_scale", "_growth_factor", "_backoff_factor",
+                      "_growth_interval", "_init_growth_tracker", "_growth_tracker", "_per_optimizer_states"}
+if not _SCALER_ATTRIBUTES <= set(vars(torch.amp.GradScaler("cpu"))):
+    raise UnsupportedTorch(f"torch {torch.__version__}: torch.amp.GradScaler keeps other attributes than the "
+                           f"{sorted(_SCALER_ATTRIBUTES)} gpukit was checked with")
+_SCALER_DEFAULTS = {name: p.default for name, p in inspect.signature(torch.amp.GradScaler.__init__).parameters.items()
+                    if name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+
+
+def scaler_state(scaler: torch.amp.GradScaler) -> dict:
+    """What ``restore_scaler`` needs to put ``scaler`` back as it is now: its attributes, and each optimizer's
+    stage and found_inf tensors (which ``step()`` changes in place)."""
+    state = dict(vars(scaler))
+    per_optimizer = state.get("_per_optimizer_states")
+    if per_optimizer is not None:
+        copied = type(per_optimizer)(per_optimizer.default_factory) if hasattr(per_optimizer, "default_factory") \
+            else type(per_optimizer)()
+        copied.update({k: {**v, "found_inf_per_device": dict(v.get("found_inf_per_device", {}))}
+                       for k, v in per_optimizer.items()})
+        state["_per_optimizer_states"] = copied
+    return state
+
+
+def restore_scaler(scaler: torch.amp.GradScaler, state: dict) -> None:
+    """Put ``scaler`` back as ``scaler_state`` found it (attributes added since are removed)."""
+    vars(scaler).clear()
+    vars(scaler).update(state)
+    per_optimizer = state.get("_per_optimizer_states")
+    if per_optimizer is not None:  # a copy again: the state kept can restore more than once
+        scaler._per_optimizer_states = scaler_state(scaler)["_per_optimizer_states"]
+
+
+def scaler_enabled(scaler: torch.amp.GradScaler) -> bool:
+    return bool(getattr(scaler, "_enabled", False))
+
+
+def scaler_device(scaler: torch.amp.GradScaler) -> str:
+    """The device type the scaler was made for (``GradScaler("cuda")``: "cuda")."""
+    return str(getattr(scaler, "_device", "cuda"))
+
+
+def start_scaler_afresh(scaler: torch.amp.GradScaler, enable: bool = False) -> None:
+    """Make ``scaler`` as a new one is before its first ``scale()``: no scale tensor yet (the next ``scale()`` makes
+    it on the loss's device, fake in a prediction), no optimizer's found_inf. ``enable``: a disabled scaler is
+    enabled with ``GradScaler``'s default settings."""
+    if enable and not scaler_enabled(scaler):
+        d = _SCALER_DEFAULTS
+        scaler._enabled = True
+        scaler._init_scale, scaler._growth_factor = d["init_scale"], d["growth_factor"]
+        scaler._backoff_factor, scaler._growth_interval = d["backoff_factor"], d["growth_interval"]
+        scaler._init_growth_tracker = 0
+    if scaler_enabled(scaler):
+        scaler._scale = None
+        scaler._growth_tracker = None
+        scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+
+
+def scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
+    """The tensors ``scaler`` keeps from one step to the next: its scale, its growth tracker, and any found_inf not
+    yet consumed by ``update()``."""
+    kept = [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+            if isinstance(t, torch.Tensor)]
+    for state in (getattr(scaler, "_per_optimizer_states", None) or {}).values():
+        kept += [t for t in state.get("found_inf_per_device", {}).values() if isinstance(t, torch.Tensor)]
+    return kept
+
+
+def scaler_init_scale(scaler: torch.amp.GradScaler) -> float:
+    return float(getattr(scaler, "_init_scale", _SCALER_DEFAULTS["init_scale"]))
+
+
+def scaler_step_rule():
+    """``GradScaler._maybe_opt_step`` in place now: the step after ``unscale_``, taken unless a found_inf reads
+    non-zero (``.item()``)."""
+    return torch.amp.GradScaler._maybe_opt_step
+
+
+def set_scaler_step_rule(function) -> None:
+    """Install ``function`` as ``GradScaler._maybe_opt_step`` (put the original back with it too)."""
+    torch.amp.GradScaler._maybe_opt_step = function
+
+
+def autocast_enabled(region: torch.autocast) -> bool:
+    """Whether a ``torch.autocast`` object casts when entered (torch/amp/autocast_mode.py keeps it in ``_enabled``,
+    set False in ``__init__`` where the device cannot autocast)."""
+    return bool(getattr(region, "_enabled", False))
+
+
 # --- storages that grow in place ---------------------------------------------------------------------------
 # UntypedStorage.resize_ changes a storage's size without passing through the dispatcher (FSDP frees and
 # regrows its parameters' storages with it), so the counter wraps it while a measured block is open.
@@ -423,5 +521,8 @@ __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "Dat
            "TorchDispatchMode", "_disable_current_modes", "_get_current_dispatch_mode_stack",
            "is_traceable_wrapper_subclass", "tree_flatten",
            "tree_map_only", "tree_unflatten", "SUPPORTED_NODES", "disabled_torch_dispatch_impl", "in_backward", "current_autograd_node", "storage_resize",
-           "set_storage_resize", "ScalerThatAlwaysSteps", "never_traced",
+           "set_storage_resize", "ScalerThatAlwaysSteps", "scaler_state", "restore_scaler", "scaler_enabled",
+           "scaler_device", "start_scaler_afresh", "scaler_tensors", "scaler_init_scale", "autocast_enabled",
+           "scaler_step_rule", "set_scaler_step_rule",
+           "never_traced",
            "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags"]

@@ -30,6 +30,7 @@ from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, follow
+from .amp import CardAmp
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
@@ -77,6 +78,9 @@ class Prediction:
     workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
     card: str | None = None       # CUDA: the card whose kernels were chosen (gpukit.cards key); None: Hopper
+    # Parts of the step not run as the card runs them (an autocast torch disabled before the prediction...), each
+    # with what was done instead: gpukit.amp.
+    unfollowed: dict[str, str] = field(default_factory=dict)
 
     @property
     def lower_bound(self) -> bool:
@@ -130,6 +134,7 @@ class Prediction:
                  for op, n in self.corrected_ops.items()]
         if self.unverified_ops:
             rows.append(("LOWER BOUND: unchecked ops", ", ".join(self.unverified_ops)))
+        rows += [("NOT AS ON THE CARD", f"{what}: {why}") for what, why in self.unfollowed.items()]
         rows.append(("prediction took", f"{self.seconds:.2f} s"))
         return rows
 
@@ -222,8 +227,10 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
     else:
         rules = contextlib.nullcontext()
-    # Real tensors the step meets (a batch sliced from real data, say) become fake ones.
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
+    # The step's torch.autocast("cuda") and GradScaler run as on the card (gpukit.amp). Real tensors the step meets
+    # (a batch sliced from real data, say) become fake ones.
+    amp = CardAmp("cpu", cuda=kind == "cuda", capability=getattr(rules, "capability", (9, 0)))
+    with amp, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
             follow(FAKE_LEDGER, fresh=True) as simulated:
         # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
@@ -256,7 +263,9 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             roles = _NoRoles()  # MemTracker reads storages, which sparse gradients do not have
         elif any(not p.requires_grad for p in model.parameters()):
             roles = _NoRoles()  # MemTracker hooks every parameter's gradient, and a frozen one refuses the hook
-        before, before_unrounded = state_bytes(model, optimizer, batch)
+        # and what the step's GradScaler keeps from step to step (its scale and growth tracker, made by the warm-up)
+        storages = distinct_storages(state_tensors(model, optimizer, batch) + amp.scaler_tensors())
+        before, before_unrounded = sum(round_up(n) for n in storages.values()), sum(storages.values())
         collect_young()  # what the warm-up left is freed before the step, not inside it
         tally = FAKE_LEDGER.start()
         watch = simulated.watch()
@@ -292,7 +301,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
-        card=card.key if card is not None else None)
+        card=card.key if card is not None else None, unfollowed=dict(amp.unfollowed))
 
 
 @contextlib.contextmanager
