@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, follow
+from .amp import CardAmp
 from .cudarules import SDPA, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
@@ -283,6 +284,9 @@ class OffloadPrediction:
     workspaces: int = 0      # cuBLAS/cuBLASLt workspaces on the GPU, included in device_state
     reserved_peak: int | None = None  # the GPU's reserved bytes at the step's peak (simulated caching allocator)
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA's kernel -> calls, per step run
+    # Parts of the step not run as the card runs them (autocast, which meta tensors do not have), each with what was
+    # done instead: gpukit.amp.
+    unfollowed: dict[str, str] = field(default_factory=dict)
 
     @property
     def device_peak(self) -> int:
@@ -302,6 +306,7 @@ class OffloadPrediction:
                 ("host peak", f"{format_bytes(self.host_peak)}  ({self.host_peak:,} B)"),
                 ("copied to the host per step", f"{format_bytes(c.device_to_host)} in {c.copies_to_host} copies"),
                 ("copied to the GPU per step", f"{format_bytes(c.host_to_device)} in {c.copies_to_device} copies"),
+                *[("NOT AS ON THE CARD", f"{what}: {why}") for what, why in self.unfollowed.items()],
                 ("prediction took", f"{self.seconds:.2f} s")]
 
     TITLE = "predicted training step, GPU and host (fake tensors, nothing allocated)"
@@ -352,7 +357,9 @@ def predict_offload(make_model: Callable[[], nn.Module],
     t0 = time.perf_counter()
     # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
     # pinned or pageable host memory), from the model's first tensor on, as in predict().
-    with gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+    # The step's torch.autocast("cuda") and GradScaler run as on the card, as far as meta tensors allow (gpukit.amp).
+    amp = CardAmp(SIMULATED_DEVICE, cuda=True, capability=rules.capability)
+    with amp, gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             cuda_stand_ins(), card_kernels(rules.capability), rules, \
             follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
@@ -407,7 +414,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
                              card=card.key if card is not None else None, workspaces=workspaces,
                              reserved_peak=reserved_peak,
-                             attention_kernels=dict(rules.sdpa))
+                             attention_kernels=dict(rules.sdpa), unfollowed=dict(amp.unfollowed))
 
 
 __all__ = ["card_kernels", "cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

@@ -270,3 +270,33 @@ def test_a_cpu_prediction_runs_a_cpu_gradscaler():
         scaled = predict(mlp, sgd, batch, step_with(lambda: torch.autocast("cpu", dtype=torch.bfloat16), scaler))
         plain = predict(mlp, sgd, batch, step_with(lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
     assert scaled.before_step - plain.before_step == 2 * BLOCK
+
+
+@pytest.mark.parametrize("spelling", ["cuda", "x.device.type"])
+def test_predict_offload_takes_an_autocast_step_and_names_what_meta_cannot_run(spelling):
+    """The simulated GPU is ``meta``, whose tensors have no autocast: the step runs (torch refused
+    ``torch.autocast("meta")``), in float32, and the prediction says so."""
+    region = {"cuda": lambda x: torch.autocast("cuda", dtype=torch.float16),
+              "x.device.type": lambda x: torch.autocast(x.device.type, dtype=torch.float16)}[spelling]
+
+    def step(model, optimizer, x):
+        step_with(lambda: region(x))(model, optimizer, x)
+
+    before = _torch_as_it_was()
+    with no_warnings():
+        amp = predict_offload(mlp, sgd, batch, step)
+        full = predict_offload(mlp, sgd, batch, step_with())
+    assert "autocast on the simulated GPU" in amp.unfollowed and "NOT AS ON THE CARD" in repr(amp)
+    assert amp.device_peak == full.device_peak and full.unfollowed == {}
+    assert _torch_as_it_was() == before
+
+
+def test_predict_offload_keeps_the_gradscalers_tensors_on_the_gpu():
+    scaler = made_without_a_gpu(lambda: torch.amp.GradScaler("cuda"))
+    state = scaler_view(scaler)
+    with no_warnings():
+        scaled = predict_offload(mlp, sgd, batch, step_with(None, scaler))
+        plain = predict_offload(mlp, sgd, batch, step_with())
+    assert scaled.device_state - plain.device_state == 2 * BLOCK
+    assert scaled.host_state == plain.host_state
+    assert scaler_view(scaler) == state
