@@ -45,7 +45,8 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   (aten/src/ATen/native/cudnn/RNN.cpp). Convolutions and recurrent layers are therefore named in
   ``unmodelled`` and the prediction is a lower bound.
 
-* Autocast: the step's ``torch.autocast`` runs on the fake CPU tensors as CPU autocast. Its weight cache is
+* Autocast: the step's ``torch.autocast`` runs on the fake CPU tensors as CPU autocast (``torch.autocast("cuda")``
+  too, with its dtype: ``gpukit.amp``, which also runs the step's GradScaler as the card does). Its weight cache is
   CUDA's: ``cached_cast`` (aten/src/ATen/autocast_mode.cpp) keeps the lower-precision copy of a float32 leaf
   that requires grad for the whole autocast region on every device type alike, so each weight is cast once
   per forward, as on CUDA. Its op lists are not CUDA's: ``torch.autocast("cuda")`` runs the ops of its
