@@ -56,6 +56,7 @@ import torch
 from ._torch import (FakeTensor, ScalerThatAlwaysSteps, autocast_enabled, restore_scaler, scaler_device,
                      scaler_enabled, scaler_init_scale, scaler_state, scaler_step_rule, scaler_tensors,
                      set_scaler_step_rule, start_scaler_afresh)
+from .counter import INTERRUPTS
 
 _LOW = (torch.float16, torch.bfloat16)
 _LOCAL = threading.local()   # .stack: the CardAmp blocks open on this thread, innermost last
@@ -90,11 +91,22 @@ class CardAmp:
 
     # -- the block ------------------------------------------------------------------------------------------------
     def __enter__(self) -> "CardAmp":
-        _install(self.device == "meta")
+        meta = self.device == "meta"
+        INTERRUPTS.hold()  # Ctrl-C waits until torch is fully patched, or fully put back
+        installed = False
         try:
+            _install(meta)
+            installed = True
             _LOCAL.__dict__.setdefault("stack", []).append(self)
+            INTERRUPTS.deliver()  # one that came while opening: undo, then raise it
         except BaseException:
-            _uninstall(self.device == "meta")
+            try:
+                if self in getattr(_LOCAL, "stack", ()):
+                    _LOCAL.stack.remove(self)
+                if installed:
+                    _uninstall(meta)
+            finally:
+                INTERRUPTS.release()
             raise
         return self
 
@@ -105,15 +117,18 @@ class CardAmp:
                     self._unmirror(self._mirrored[-1][0])
             finally:
                 adopted, self._adopted = self._adopted, {}
-                for ref, state in adopted.values():
-                    scaler = ref()
-                    if scaler is not None:
-                        restore_scaler(scaler, state)
+                try:
+                    for ref, state in adopted.values():
+                        scaler = ref()
+                        if scaler is not None:
+                            restore_scaler(scaler, state)
+                finally:
+                    stack = _LOCAL.stack
+                    if self in stack:
+                        stack.remove(self)
+                    _uninstall(self.device == "meta")
         finally:
-            stack = _LOCAL.stack
-            if self in stack:
-                stack.remove(self)
-            _uninstall(self.device == "meta")
+            INTERRUPTS.release()  # an interrupt held back while closing is raised here
         return False
 
     def scaler_tensors(self) -> list[torch.Tensor]:
@@ -198,6 +213,7 @@ def _scaler_method(name: str):
         amp = _active()
         if amp is not None:
             amp.adopt(self)
+            INTERRUPTS.deliver()
         return original(self, *args, **kwargs)
 
     method.__name__, method.__qualname__, method.__doc__ = original.__name__, original.__qualname__, original.__doc__
@@ -257,6 +273,7 @@ def _do_install() -> None:
         amp = _active()
         if amp is not None:
             amp._mirror(self)
+            INTERRUPTS.deliver()
         return out
 
     def autocast_exit(self, *exc):
@@ -266,6 +283,7 @@ def _do_install() -> None:
         finally:
             if amp is not None:
                 amp._unmirror(self)
+                INTERRUPTS.deliver()
 
     autocast.__enter__, autocast.__exit__ = autocast_enter, autocast_exit
 
@@ -316,5 +334,9 @@ def _uninstall(meta: bool) -> None:
         if _OPEN[0] == 0:
             _restore()
 
+
+# Their frames hold Ctrl-C back until torch's state and the user's scalers are whole again (gpukit.counter.interrupts).
+INTERRUPTS.protect(CardAmp.__enter__, CardAmp.__exit__, CardAmp.adopt, CardAmp._mirror, CardAmp._unmirror, _install,
+                   _uninstall, restore_scaler)
 
 __all__ = ["CardAmp"]
