@@ -1,0 +1,56 @@
+"""The GPU run recorded in data/runs/ replayed: its rows, read as data, predicted for the card that measured them.
+Device: cpu (predicting for the NVIDIA H100 80GB HBM3 that recorded data/runs/nvidia-h100-80gb-hbm3.csv with
+torch 2.11.0+cu130). ``python3 kit.py bench recorded_runs`` replays every row and lists those still off by more
+than 0.5%; this test replays two whose memory is the optimizer step's and the host's, which the predictor follows
+exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def replay():
+    sys.path.insert(0, str(ROOT / "bench"))  # (bench/recorded_runs.py imports bench/results.py)
+    try:
+        yield load_bench("recorded_runs")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_the_recorded_rows_are_read_as_data_and_name_their_card(replay):
+    rows = replay.recorded_rows()
+    h100 = [r for r in rows if r["run"] == "nvidia-h100-80gb-hbm3.csv"]
+    assert len(h100) == 30 and {r["device_name"] for r in h100} == {"NVIDIA H100 80GB HBM3"}
+    assert all(int(r["peak_bytes"]) >= int(r["state_bytes"]) > 0 for r in h100)
+
+
+@pytest.mark.parametrize("technique", ["offload saved activations", "accumulation k=4"])
+def test_a_recorded_h100_row_is_predicted_within_half_a_percent(replay, technique):
+    """The deep MLP, 8192 samples a step: with saved activations on the host the GPU's peak is the optimizer
+    step's, predicted to the byte; with 4 micro-batches too, where the prediction keeps AdamW's 18 step counters
+    (512 B each) on the GPU and CUDA keeps them on the host (torch/optim/adam.py: on the parameter's device only
+    when capturable or fused)."""
+    row = next(r for r in replay.recorded_rows() if r["model"] == "deep mlp 4096x8" and r["technique"] == technique)
+    got = replay.predict_row(row)
+    peak, state = int(row["peak_bytes"]), int(row["state_bytes"])
+    assert got["card"] == "h100" and got["predicted_workspace_bytes"] > 0
+    for predicted, measured in ((got["predicted_peak_bytes"], peak), (got["predicted_state_bytes"], state)):
+        assert abs(predicted - measured) <= 0.005 * measured, (technique, predicted, measured)
+    if technique == "offload saved activations":  # predict_offload places the step counters on the host
+        assert (got["predicted_peak_bytes"], got["predicted_state_bytes"]) == (peak, state)
+    else:
+        assert got["predicted_peak_bytes"] - peak == got["predicted_state_bytes"] - state == 18 * 512
