@@ -255,7 +255,7 @@ def _do_install() -> None:
 
     set_scaler_step_rule(healthy_step)
     methods = _INSTALLED["scaler_methods"] = {}
-    for name in ("scale", "unscale_", "step", "update"):
+    for name in ("is_enabled", "scale", "unscale_", "step", "update"):
         methods[name], wrapped = _scaler_method(name)
         setattr(scaler, name, wrapped)
     get_scale = methods["get_scale"] = scaler.get_scale

@@ -300,3 +300,20 @@ def test_predict_offload_keeps_the_gradscalers_tensors_on_the_gpu():
     assert scaled.device_state - plain.device_state == 2 * BLOCK
     assert scaled.host_state == plain.host_state
     assert scaler_view(scaler) == state
+
+
+def test_gpukits_own_train_step_takes_the_users_cuda_scaler():
+    """``gpukit.step.train_step`` asks ``scaler.is_enabled()`` before a float16 step: a ``GradScaler("cuda")``
+    that torch disabled where there is no GPU answers as on the card."""
+    from gpukit.step import Technique, train_step
+
+    scaler = made_without_a_gpu(lambda: torch.amp.GradScaler("cuda"))
+
+    def loss(model, x):
+        return model(x).float().pow(2).mean()
+
+    with no_warnings():
+        p = predict(mlp, sgd, batch, lambda m, o, b: train_step(m, o, b, Technique(amp=torch.float16), scaler, loss),
+                    card="t4")
+    assert "GradScaler('cuda') disabled when made" in p.unfollowed
+    assert not scaler.is_enabled()  # as it was
