@@ -12,7 +12,8 @@ step peaks at the start of backward (``A = B * D`` elements an activation):
   D) * 2``). What the peak holds besides differs by at most one layer's float32 weight gradient (a weight's
   gradient is made in 16 bits, then cast to float32 to accumulate).
 * A GradScaler keeps its scale (float32) and growth tracker (int32) from step to step: 0-dimensional tensors, one
-  512-byte block each on CUDA (the allocator's smallest).
+  512-byte block each on CUDA (the allocator's smallest). Its unscale holds four more for a moment: the inverse
+  scale and found_inf, and a per-device copy of each.
 """
 
 import contextlib
@@ -317,3 +318,27 @@ def test_gpukits_own_train_step_takes_the_users_cuda_scaler():
                     card="t4")
     assert "GradScaler('cuda') disabled when made" in p.unfollowed
     assert not scaler.is_enabled()  # as it was
+
+
+@pytest.mark.parametrize("card", [None, "t4"])
+def test_unscale_holds_its_inverse_scale_and_found_inf_with_their_per_device_copies(card):
+    """A step whose peak is the scaler's unscale: one bias-free ``Linear(N, N)`` on a batch of one row, so the weight's
+    gradient (``N * N * 4`` bytes) dwarfs every activation. ``unscale_`` (torch/amp/grad_scaler.py) holds the inverse
+    scale and found_inf, and ``_MultiDeviceReplicator.get`` copies each to the gradients' device (``copy=True``):
+    four 0-dimensional float32 tensors, a block each, beside the gradient and the loss the step still holds."""
+    n = 1024
+
+    def step_keeping_the_loss(scaler):
+        def step(model, optimizer, x):
+            loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return step
+
+    with no_warnings():
+        p = predict(lambda: nn.Linear(n, n, bias=False), sgd, lambda: torch.randn(1, n),
+                    step_keeping_the_loss(made_without_a_gpu(lambda: torch.amp.GradScaler("cuda"))),
+                    device="cuda", card=card)
+    assert p.step_peak == n * n * 4 + BLOCK + 4 * BLOCK  # the gradient, the loss, the unscale's four tensors
