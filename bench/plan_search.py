@@ -76,7 +76,7 @@ def llama_rows() -> list[dict]:
     # The libraries a plan tries are imported before either clock starts, as transformers is: bitsandbytes takes
     # 1.6 s to import here (it imports torch._inductor), a process's cost once, not a prediction's or a plan's.
     facts = sys.modules["gpukit.plan.facts"]
-    if facts._eight_bit(lambda params: torch.optim.AdamW(params)) is not None:
+    if facts.eight_bit_optimizer(lambda params: torch.optim.AdamW(params)) is not None:
         facts._bnb_optim()
     rows = []
     for name, shape, batch in (("Llama-3.2-1B shape", LLAMA_1B, 8), ("Llama-3-8B shape", LLAMA_8B, 1)):

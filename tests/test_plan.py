@@ -11,8 +11,8 @@ from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch, digits_batch
 from gpukit.lessons.models import MLP, GPTConfig, TinyGPT
 from gpukit.plan import Candidate, plan
-from gpukit.plan.search import _Search
-from gpukit.plan.steps import _step_for
+from gpukit.plan.search import PlanSearch
+from gpukit.plan.steps import step_for
 from gpukit.step import Technique, train_step
 
 DEVICE = "cpu"  # every figure here is the CPU's: predicted on its code paths, measured with its counter
@@ -73,10 +73,10 @@ def test_pruning_never_drops_the_true_cheapest():
         kwargs = dict(device=DEVICE, precisions=("float32", "bf16"), accumulate=[1, 4], implementations=False,
                       alternatives=0, verify=False)
         p = plan(*case, budget=limit, **kwargs)
-        search = _Search(*case, limit, gpus=1, optimizers=None, implementations=False,
-                         precisions=("float32", "bf16"), accumulate=[1, 4], checkpointing=True, offload=True,
-                         strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
-                         host_bandwidth=16e9, alternatives=0, device=DEVICE)
+        search = PlanSearch(*case, limit, gpus=1, optimizers=None, implementations=False,
+                            precisions=("float32", "bf16"), accumulate=[1, 4], checkpointing=True, offload=True,
+                            strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
+                            host_bandwidth=16e9, alternatives=0, device=DEVICE)
         every = [search.evaluate(c) for c in search.candidates()]  # exhaustive: each candidate predicted
         fitting = [r for r in every if r.fits]
         assert fitting and len(fitting) < len(every)
@@ -89,10 +89,10 @@ def test_pruning_never_drops_the_true_cheapest():
                                                                 ("fp16", 1, True)])
 def test_a_recipe_gives_the_plain_gradients_within_its_stated_tolerance(precision, accumulate, checkpointed):
     make_model, make_opt, make_batch = gpt_case()
-    search = _Search(make_model, make_opt, make_batch, 10**12, gpus=1, optimizers=None, implementations=False,
-                     precisions=(precision,), accumulate=None, checkpointing=True, offload=False,
-                     strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
-                     host_bandwidth=16e9, alternatives=0, device=DEVICE)
+    search = PlanSearch(make_model, make_opt, make_batch, 10**12, gpus=1, optimizers=None, implementations=False,
+                        precisions=(precision,), accumulate=None, checkpointing=True, offload=False,
+                        strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
+                        host_bandwidth=16e9, alternatives=0, device=DEVICE)
     c = Candidate(next(iter(search.optimizers)), precision, accumulate, checkpointed)
     tolerance = search.numerics(c)[2]
     assert tolerance is not None
@@ -198,7 +198,7 @@ def test_offload_takes_every_saved_tensor_off_the_device_and_counts_its_copies()
         torch.nn.functional.cross_entropy(model(x).float().flatten(0, -2), y.flatten())
     c = Candidate("yours", offload=True)
     copies = [0]
-    offloaded = predict(make_model, make_opt, make_batch, step=_step_for(c, 1, copies), device=DEVICE,
+    offloaded = predict(make_model, make_opt, make_batch, step=step_for(c, 1, copies), device=DEVICE,
                         warmup_steps=0)
     plain = predict(make_model, make_opt, make_batch, device=DEVICE, warmup_steps=0)
     assert copies[0] == 2 * saved[0] > 0

@@ -15,8 +15,8 @@ from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
 from gpukit.plan import host, plan
-from gpukit.plan.search import _Search
-from gpukit.plan.steps import _model_maker, _step_for
+from gpukit.plan.search import PlanSearch
+from gpukit.plan.steps import model_maker, step_for
 from gpukit.step import resolve_loss
 
 SGD = {"SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}
@@ -28,13 +28,13 @@ def gpt_case(batch: int = 32):
         (lambda: (x.clone(), y.clone()))
 
 
-def search_for(case, device: str, limit: int = 10**12, **kwargs) -> _Search:
+def search_for(case, device: str, limit: int = 10**12, **kwargs) -> PlanSearch:
     options = dict(gpus=1, optimizers=None, implementations=True, precisions=("float32", "bf16 weights"),
                    accumulate=[1, 2], checkpointing=True, offload=False, strategies=("single GPU",), allowance=0,
                    tflops=100e12, memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, device=device,
                    lora=False)
     options.update(kwargs)
-    return _Search(*case, limit, **options)
+    return PlanSearch(*case, limit, **options)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -49,8 +49,8 @@ def test_before_the_optimizer_step_every_optimizer_allocates_the_same_but_for_it
         if c.optimizer.endswith(", in backward") or c.optimizer in search.host:
             continue  # (the host's optimizers: tests/test_plan_host.py, predicted with predict_offload)
         phases: dict = {}
-        p = predict(_model_maker(search.make_model, c.precision), search.optimizers[c.optimizer][0],
-                    search.make_batch, step=_step_for(c, c.accumulate, None, None, phases), device=device)
+        p = predict(model_maker(search.make_model, c.precision), search.optimizers[c.optimizer][0],
+                    search.make_batch, step=step_for(c, c.accumulate, None, None, phases), device=device)
         assert phases["every_grad"] and phases["state"] == search.floor(c)["state"] > 0
         seen.setdefault(search.configuration(c), {})[c.optimizer] = p.before_step + phases["backward"] - phases["state"]
     assert len(seen) == 3 * 2
@@ -138,7 +138,7 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     if name == "llama":  # the host optimizers' bounds are checked on the GPT (and in tests/test_plan_host.py), and
         # so are the for-loop and fused steps': each would cost the Llama's exhaustive search more predictions
         monkeypatch.setattr(host, "host_variants", lambda *args: [])
-        monkeypatch.setattr(sys.modules["gpukit.plan.search"], "_implementations", lambda *args: [])
+        monkeypatch.setattr(sys.modules["gpukit.plan.search"], "other_implementations", lambda *args: [])
     options = dict(precisions=precisions, offload=True, loss=None if loss is None else resolve_loss(loss))
     exhaustive = search_for(case, "cuda", **options)
     need = {c: exhaustive.evaluate(c).need for c in exhaustive.candidates()}
@@ -163,7 +163,7 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     assert whole.phase_bound(first) > 0.9 * exhaustive.rows[first].peak
 
 
-def prefix_phases(search: _Search, candidates, last_only: bool, monkeypatch) -> dict:
+def prefix_phases(search: PlanSearch, candidates, last_only: bool, monkeypatch) -> dict:
     """Each candidate configuration's phases from its prefix, the accumulated ones run by their last micro-batch
     alone (``last_only``) or every micro-batch, and whether a prefix said its last micro-batch cannot tell
     ("shared")."""
@@ -172,10 +172,10 @@ def prefix_phases(search: _Search, candidates, last_only: bool, monkeypatch) -> 
 
     def prefix_step(c, k, loss, found, enough, last=True):
         flags.setdefault(search.configuration(c), []).append(found)
-        return steps._prefix_step(c, k, loss, found, enough, last and last_only)
+        return steps.prefix_step(c, k, loss, found, enough, last and last_only)
 
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["gpukit.plan.search"], "_prefix_step", prefix_step)
+        m.setattr(sys.modules["gpukit.plan.search"], "prefix_step", prefix_step)
         for c in candidates:
             search.prefix(c)
     return {key: (dict(search.phases[key]), key in search.every_grad, any("shared" in f for f in flags[key]))
@@ -344,7 +344,7 @@ def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model(monk
     # and fused steps (the GPT's prefix-bound check above) are left out, as in the prefix-bound test: here they more
     # than doubled the Llama's exhaustive search (104 candidates, the host's each a two-memory prediction).
     monkeypatch.setattr(host, "host_variants", lambda *args: [])
-    monkeypatch.setattr(sys.modules["gpukit.plan.search"], "_implementations", lambda *args: [])
+    monkeypatch.setattr(sys.modules["gpukit.plan.search"], "other_implementations", lambda *args: [])
     # (float16 with its GradScaler is bounded in the test above; here two precisions and two budgets keep it short)
     options = dict(precisions=("float32", "bf16 weights"), offload=True, loss=resolve_loss("model"))
     exhaustive = search_for(case, "cuda", **options)
@@ -372,9 +372,9 @@ def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
     import sys
 
     facts = sys.modules["gpukit.plan.facts"]
-    _, make, _ = facts._eight_bit(lambda p: torch.optim.AdamW(p))
+    _, make, _ = facts.eight_bit_optimizer(lambda p: torch.optim.AdamW(p))
     make_model, _, make_batch = gpt_case()
-    for make_optimizer in (make, facts._in_backward(make)):
+    for make_optimizer in (make, facts.stepped_in_backward(make)):
         for device in ("cpu", "cuda"):
             once = predict(make_model, make_optimizer, make_batch, device=device)
             with monkeypatch.context() as m:

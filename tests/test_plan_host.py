@@ -16,7 +16,7 @@ from gpukit.lessons.models import GPTConfig, TinyGPT
 from gpukit.offload import cuda_stand_ins, predict_offload
 from gpukit.plan import plan
 from gpukit.plan import host
-from gpukit.plan.search import _Search
+from gpukit.plan.search import PlanSearch
 from gpukit.step import train_step
 
 pytest.importorskip("torchao.optim", reason="torchao is not installed here")
@@ -164,11 +164,11 @@ def test_every_bound_of_a_host_candidate_is_at_most_its_need():
     the bound of its configuration's prefix with and without the optimizer's state, and the host's bound, each at
     most what the candidate is predicted to need."""
     x, y = digit_tokens_batch(16)
-    search = _Search(lambda: TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), lambda p: torch.optim.AdamW(p),
-                     lambda: (x.clone(), y.clone()), 10**12, device="cuda", gpus=1, optimizers=None,
-                     implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
-                     checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
-                     memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
+    search = PlanSearch(lambda: TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), lambda p: torch.optim.AdamW(p),
+                        lambda: (x.clone(), y.clone()), 10**12, device="cuda", gpus=1, optimizers=None,
+                        implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
+                        checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
+                        memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
     candidates = [c for c in search.candidates() if c.optimizer in search.host]
     assert {c.optimizer for c in candidates} == {HOST, HOST_GRADS}
     assert not any(c.accumulate > 1 for c in candidates if search.host[c.optimizer])  # no accumulation
@@ -191,10 +191,10 @@ def test_host_candidates_the_search_prunes_by_a_bound_need_at_least_that_bound()
     """Device: none (CUDA's rules, fake tensors). A budget below what the cuBLAS workspaces and the weights need:
     the search prunes the host candidates by their bounds without predicting them; each, predicted afterwards,
     needs at least the bound it was pruned by."""
-    search = _Search(make_model, adamw, make_batch, 60 * 10**6, device="cuda", gpus=1, optimizers=None,
-                     implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
-                     checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
-                     memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
+    search = PlanSearch(make_model, adamw, make_batch, 60 * 10**6, device="cuda", gpus=1, optimizers=None,
+                        implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
+                        checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
+                        memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
     rows = search.run()
     pruned = [r for r in rows if r.candidate.optimizer in search.host and r.bound is not None]
     assert pruned and all(r.need is None and r.bound > search.limit for r in pruned)

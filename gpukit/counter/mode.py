@@ -47,6 +47,8 @@ def warn_compile_ran_eagerly() -> None:
 
 
 class PerThread(threading.local):
+    """A thread's counting modes (PyTorch keeps its dispatch modes on a stack per thread)."""
+
     mode: "CountingMode | None" = None  # this thread's counting mode, while it has a block open
     idle: "CountingMode | None" = None  # the mode its last block popped, pushed again by its next one
 
@@ -201,6 +203,7 @@ ALIASES: dict = {}
 
 
 def alias_entry(func) -> tuple:
+    """An op's entry of ``ALIASES``, made the first time the op runs in a block."""
     entry = ALIASES[id(func)] = (func, aliases_only(func), op_entry_point(func))
     return entry
 

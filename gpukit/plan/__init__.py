@@ -42,7 +42,7 @@ How the search stays cheap (every shortcut is stated in the table):
 * Candidates are predicted cheapest first; once one fits, the costlier ones that only add techniques to a
   fitting one are dominated and never predicted.
 
-How the fitting recipes are ranked (``_Search.rank_fitting``; each row whose place its cost alone would not give
+How the fitting recipes are ranked (``PlanSearch.rank_fitting``; each row whose place its cost alone would not give
 says why in its "ranking" cell): a recipe more than 3 times as costly as the fastest fitting one, or whose host
 memory need is over the host's (``host_memory``, else Colab's 12.7 GB), after every one that is neither; then the
 recipes that keep every update (AMP, accumulation, checkpointing, offload, another implementation), then those
@@ -87,8 +87,8 @@ from .candidates import (
 )
 from .recipe import recipe_code
 from .result import Plan
-from .search import _Search
-from .verify import _time_fitting, _verify, run_candidate
+from .search import PlanSearch
+from .verify import run_candidate, time_fitting, verify_choice
 
 
 def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -224,17 +224,17 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
         raise ValueError(f"lora={lora!r}: True (also try LoRA adapters, where peft is installed) or False")
     if not isinstance(alternatives, int) or alternatives < 0:
         raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
-    search = _Search(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
-                     implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
-                     checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
-                     tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
-                     host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
-                     slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu, host_memory=host_memory,
-                     host_memory_bandwidth=speeds["host_memory_bandwidth"])
+    search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
+                        implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
+                        checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
+                        tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
+                        host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
+                        slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu, host_memory=host_memory,
+                        host_memory_bandwidth=speeds["host_memory_bandwidth"])
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):
-        timing_error = _time_fitting(search)
+        timing_error = time_fitting(search)
         rows = search.ordered()  # measured costs, where there are, rank the fitting recipes
     choice = next((r for r in rows if r.fits and r.need is not None), None)
     facts = search.facts
@@ -248,7 +248,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"
     verification = Verification(False, "not asked (verify=False)")
     if verify:
-        verification = _verify(search, choice, timing_error)
+        verification = verify_choice(search, choice, timing_error)
     result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
     result._make_model, result._make_batch, result._loss = search.make_real_model, make_batch, search.loss

@@ -61,7 +61,7 @@ class Candidate:
         return self.optimizer, self.precision, self.strategy, self.lora, self.qlora
 
     def technique(self, accumulate: int | None = None) -> Technique:
-        """The ``gpukit.step.Technique`` of this candidate (offload is left to the caller: see ``_offload``)."""
+        """The ``gpukit.step.Technique`` of this candidate (offload is left to the caller: see ``fake_save_on_cpu``)."""
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         return Technique(self.label, amp=amp, accumulate=accumulate or self.accumulate,
                          checkpointed=self.checkpointed, half=self.precision == "half",

@@ -24,7 +24,9 @@ from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_c
 
 
 @dataclass
-class _ModelFacts:
+class ModelFacts:
+    """What the search knows of the model before predicting anything (``model_facts``)."""
+
     parameters: int
     batch_size: int
     batch_bytes_per_sample: list[tuple[int, int]]  # per batch tensor: (elements per sample, element size)
@@ -89,7 +91,7 @@ def _qualified_names(model: nn.Module) -> dict[nn.Module, str]:
     return {m: n for n, m in model.named_modules()}
 
 
-def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
+def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     """Shapes, parameters and forward FLOPs, under fake tensors (nothing allocated). ``loss``: as for
     ``gpukit.step.train_step`` (resolved: None or a function)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -164,7 +166,7 @@ def _model_facts(make_model, make_batch, loss=None) -> _ModelFacts:
         targets = tuple(lora_targets(model)) if importlib.util.find_spec("peft") is not None else ()
         quantized = quantized_shapes(model) if targets else []
     mapping = isinstance(batch, Mapping) and all(torch.is_tensor(v) for v in batch.values())
-    return _ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
+    return ModelFacts(n_params, b, per_sample, int(total), int(recompute), has_bn, str(cp), code, largest, existing,
                        mapping, targets, *(_head_flops(model, batch) if loss is model_loss else (0, 0)),
                        parameter_shapes, buffer_shapes, model_bytes, tuple(n for n, _, _ in quantized),
                        max((size for _, size, _ in quantized), default=4),
@@ -208,7 +210,7 @@ def quantization_state_of(model: nn.Module) -> int:
     computes from the layers' shapes, read from a real model."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return 0
-    bnb = _bitsandbytes()
+    bnb = import_bitsandbytes()
     tensors = []
     for m in model.modules():
         state = getattr(getattr(m, "weight", None), "quant_state", None) if isinstance(m, bnb.nn.Linear4bit) else None
@@ -234,7 +236,7 @@ def _head_flops(model: nn.Module, batch) -> tuple[int, int]:
 # -- optimizers --------------------------------------------------------------------------------------------------
 
 
-def _implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str, str]]:
+def other_implementations(label: str, make_optimizer, device: str) -> list[tuple[str, Callable, str, str]]:
     """The other implementations of an optimizer's step (for-loop, fused) that its class offers and the device
     does not already use: ``(label, make_optimizer, note, state)``; ``state``: how its state compares with the
     optimizer's own step's: "same" for the for-loop step (both make it in ``_init_group``: torch/optim/adam.py),
@@ -279,7 +281,7 @@ def probe_optimizer(make_optimizer) -> torch.optim.Optimizer:
     return next(iter(opt.optimizers.values())) if isinstance(opt, OptimizerInBackward) else opt
 
 
-def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
+def eight_bit_optimizer(make_optimizer) -> tuple[str, Callable, str] | None:
     """bitsandbytes' 8-bit version of a torch.optim Adam or AdamW (its moments stored block-wise in 8 bits), with
     the same hyperparameters: ``(label, make_optimizer, note)``; None where bitsandbytes is not installed, or the
     optimizer is another or uses an option the 8-bit one lacks (amsgrad, maximize, a tensor lr)."""
@@ -305,7 +307,7 @@ def _eight_bit(make_optimizer) -> tuple[str, Callable, str] | None:
     return f"{name} (bitsandbytes)", make, "8-bit moments, block-wise (bitsandbytes)"
 
 
-def _bitsandbytes():
+def import_bitsandbytes():
     """``bitsandbytes``, imported without the warning its CPU backend logs where an optional kernel package is
     missing (a faster CPU kernel of 4-bit products for inference, which no plan runs: training dequantizes), and
     outside any fake mode: the tensors bitsandbytes makes when imported (its 4-bit code tables) stay real, and no
@@ -324,8 +326,8 @@ def _bitsandbytes():
 
 
 def _bnb_optim():
-    """``bitsandbytes.optim``, imported as ``_bitsandbytes`` imports it."""
-    return _bitsandbytes().optim
+    """``bitsandbytes.optim``, imported as ``import_bitsandbytes`` imports it."""
+    return import_bitsandbytes().optim
 
 
 _MAPS: dict[tuple, list[float]] = {}  # bitsandbytes' quantisation maps, by their arguments, as computed for real
@@ -358,7 +360,7 @@ def _maps_once():
         F.create_dynamic_map = original
 
 
-def _in_backward(make_optimizer) -> Callable:
+def stepped_in_backward(make_optimizer) -> Callable:
     """The optimizer's step fused into backward (``gpukit.bigmodel.OptimizerInBackward``): one per parameter."""
     def make(params):
         return OptimizerInBackward(params, make_optimizer)
@@ -366,7 +368,8 @@ def _in_backward(make_optimizer) -> Callable:
     return make
 
 
-def _optimizer_name(make_optimizer) -> str:
+def optimizer_name(make_optimizer) -> str:
+    """The optimizer's class name, as the table names it (SGD with its momentum)."""
     opt = probe_optimizer(make_optimizer)  # one that already exists is refused first: predictions would step it
     name = type(opt).__name__
     if isinstance(opt, torch.optim.SGD):
@@ -374,6 +377,6 @@ def _optimizer_name(make_optimizer) -> str:
     return name
 
 
-def _adam_like(make_optimizer) -> bool:
+def is_adam_like(make_optimizer) -> bool:
     """Optimizers with a second moment and an eps (Adam, AdamW, RMSprop...): unsafe with float16 weights."""
     return "eps" in probe_optimizer(make_optimizer).defaults

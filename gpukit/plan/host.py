@@ -23,7 +23,7 @@ from ..counter import round_up
 from ..report import format_bytes
 from .candidates import Candidate, Row
 from .facts import probe_optimizer
-from .steps import _model_maker, _slice_batch, _step_for
+from .steps import model_maker, slice_batch, step_for
 
 MINIMAL_SIZE = 4096  # torchao's default minimal_size: smaller parameters keep their optimizer on the GPU
 # The precisions a host-offload candidate is tried in: autocast's kernels are chosen by the CUDA dispatch key, which
@@ -102,7 +102,7 @@ def _make(cls, gradients: bool, kwargs: dict) -> Callable:
 
 def state_info(search, c: Candidate) -> dict:
     """What the GPU holds of the model state when a host-offload candidate's step starts, as the floor's figures
-    (``_Search.state_info``), from the model's shapes (``_ModelFacts``; the optimizer is not built: torchao asks
+    (``PlanSearch.state_info``), from the model's shapes (``ModelFacts``; the optimizer is not built: torchao asks
     for CUDA): the parameters and buffers, and the gradients (with ``offload_gradients``, only those of the
     parameters kept on the GPU). The optimizer's state on the GPU (the small parameters') is taken as 0, so every
     figure is at most what the GPU holds; "peak" is the same as "before" (no optimizer step is predicted). Also the
@@ -153,9 +153,9 @@ def evaluate(search, c: Candidate) -> Row:
     micro = search.rank_batch // c.accumulate
     proxy_k = 1 if c.accumulate == 1 else 2
     saved = [0]
-    p = predict_offload(_model_maker(search.make_model, c.precision, lora=c.lora), search.optimizers[c.optimizer][0],
-                        _slice_batch(search.make_batch, micro * proxy_k, search.facts.batch_size),
-                        step=_step_for(c, proxy_k, saved, search.loss), card=search.card)
+    p = predict_offload(model_maker(search.make_model, c.precision, lora=c.lora), search.optimizers[c.optimizer][0],
+                        slice_batch(search.make_batch, micro * proxy_k, search.facts.batch_size),
+                        step=step_for(c, proxy_k, saved, search.loss), card=search.card)
     search.predictions += 1
     held = search.held(c)
     how = ["predicted on a simulated GPU beside the host (gpukit.offload.predict_offload)"]

@@ -10,14 +10,14 @@ from ..step import model_loss
 from .candidates import Candidate
 from .facts import LORA_RANK, QUANTIZATION, probe_optimizer
 from .steps import CHUNK_TOKENS
-from .search import _Search
+from .search import PlanSearch
 
 # -- the recipe as code ------------------------------------------------------------------------------------------
 
 
 def _optimizer_expression(make, params: str) -> tuple[list[str], str, str]:
     """``(imports, the expression that builds the optimizer over params, its class name)``."""
-    recipe = getattr(make, "recipe", None)  # bitsandbytes' 8-bit optimizer (facts._eight_bit)
+    recipe = getattr(make, "recipe", None)  # bitsandbytes' 8-bit optimizer (facts.eight_bit_optimizer)
     if recipe is not None:
         imports, expression = recipe
         return [imports], expression.replace("model.parameters()", params), expression.split("(")[0]
@@ -32,7 +32,7 @@ def _optimizer_expression(make, params: str) -> tuple[list[str], str, str]:
     return [], f"torch.optim.{cls.__name__}({params}{''.join(', ' + a for a in args)})", f"torch.optim.{cls.__name__}"
 
 
-def recipe_code(c: Candidate, search: _Search, device: str) -> str:
+def recipe_code(c: Candidate, search: PlanSearch, device: str) -> str:
     """The candidate as plain PyTorch: setup lines, then the loop body."""
     label = c.optimizer.removesuffix(", in backward")
     in_backward = label != c.optimizer
@@ -104,7 +104,7 @@ def recipe_code(c: Candidate, search: _Search, device: str) -> str:
     return "\n".join(lines)
 
 
-def _loop(c: Candidate, search: _Search, dev: str) -> list[str]:
+def _loop(c: Candidate, search: PlanSearch, dev: str) -> list[str]:
     """The training loop for the plain step's ``(inputs, targets)`` batches and cross-entropy."""
     k = c.accumulate
     lines = ["", "for x, y in loader:", f"    x, y = x.to({dev!r}), y.to({dev!r})"]
@@ -142,7 +142,7 @@ def _step(c: Candidate, dev: str, ind: str, body: list[str]) -> list[str]:
     return lines
 
 
-def _loop_with_loss(c: Candidate, search: _Search, dev: str) -> list[str]:
+def _loop_with_loss(c: Candidate, search: PlanSearch, dev: str) -> list[str]:
     """The training loop for a step whose loss comes from ``plan(loss=...)``: a batch of any structure, moved
     and cut into micro-batches as plain PyTorch does it for a dict (``gpukit.step`` for other structures)."""
     k, mapping = c.accumulate, search.facts.batch_mapping

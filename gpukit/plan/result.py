@@ -14,9 +14,9 @@ from .verify import build_candidate, run_candidate
 
 @dataclass
 class Plan:
-    """What ``plan()`` found: ``rows`` (the fitting ones first, in the order to choose them: ``_Search.rank_fitting``),
-    ``choice`` (the first fitting row or None),
-    ``code`` (the chosen recipe in plain PyTorch), ``verification`` and the search's own figures."""
+    """What ``plan()`` found: ``rows`` (the fitting ones first, in the order to choose them:
+    ``PlanSearch.rank_fitting``), ``choice`` (the first fitting row or None), ``code`` (the chosen recipe in plain
+    PyTorch), ``verification`` and the search's own figures."""
 
     budget: int
     device: str

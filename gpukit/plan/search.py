@@ -32,25 +32,25 @@ from .candidates import (
     Row,
 )
 from . import host
-from .facts import (QLORA_PRECISIONS, _adam_like, _eight_bit, _implementations, _in_backward, _model_facts,
-                    _optimizer_name, quantization_state_bytes)
+from .facts import (QLORA_PRECISIONS, eight_bit_optimizer, is_adam_like, model_facts, optimizer_name,
+                    other_implementations, quantization_state_bytes, stepped_in_backward)
 from .steps import (
     CHECKED_BY_SOURCE,
     CHUNK_TOKENS,
-    _StateAlone,
-    _model_maker,
-    _offload,
-    _optimizer_only,
-    _prefix_step,
-    prefix_residual,
-    _slice_batch,
-    _step_for,
+    StateAlone,
     candidate_loss,
+    fake_save_on_cpu,
+    model_maker,
+    optimizer_only_step,
+    prefix_residual,
+    prefix_step,
+    slice_batch,
+    step_for,
 )
 
 # -- the plan ----------------------------------------------------------------------------------------------------
 
-# How fitting recipes are ranked (``_Search.rank_fitting``), with the reasons for each figure:
+# How fitting recipes are ranked (``PlanSearch.rank_fitting``), with the reasons for each figure:
 #
 # TIE: two costs within 5% of each other are one cost. The estimate's own resolution is coarser than that: it
 # counts FLOPs and bytes at a card's data-sheet rates, leaves out AMP's speed-up, kernel launches and the optimizer's
@@ -85,7 +85,7 @@ def _state_by_foreach(optimizer):
     which both implementations call alike (torch/optim/adam.py: only ``fused`` and ``capturable`` change where
     ``step`` lives), and the foreach step dispatches a few ops over all parameters where the for-loop one
     dispatches each per parameter (``gpukit.estimate._foreach_warmup`` makes a warm-up so). Only the state is
-    read from such a step (``_Search.state_info``), never its peak."""
+    read from such a step (``PlanSearch.state_info``), never its peak."""
     optimizers = list(getattr(optimizer, "optimizers", {}).values()) or [optimizer]  # stepped in backward: one each
     changed = [(g, g["foreach"]) for opt in optimizers for g in getattr(opt, "param_groups", [])
                if "foreach" in g and not g["foreach"] and not g.get("fused") and not g.get("differentiable", False)]
@@ -99,11 +99,13 @@ def _state_by_foreach(optimizer):
 
 
 def _stateless(params) -> torch.optim.Optimizer:
-    """The optimizer of a prefix run (``_Search.prefix``): it is never stepped, and has no state."""
+    """The optimizer of a prefix run (``PlanSearch.prefix``): it is never stepped, and has no state."""
     return torch.optim.SGD(params, lr=0.1)
 
 
-class _Search:
+class PlanSearch:
+    """One search of ``plan()``: the candidates, their predictions and bounds, and the fitting ones ranked."""
+
     def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
                  implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
                  tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False,
@@ -116,14 +118,14 @@ class _Search:
         self.host: dict[str, bool] = {}  # host-offload optimizers (gpukit.plan.host) -> offload_gradients
         self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
         self.card = card if device == "cuda" else None  # its attention kernels in every prediction (a T4's math one)
-        self.facts = _model_facts(make_model, make_batch, loss)
+        self.facts = model_facts(make_model, make_batch, loss)
         # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
         self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
         b = self.facts.batch_size
         if b % gpus:
             raise ValueError(f"the batch of {b} does not divide among {gpus} GPUs; make it a multiple of {gpus}")
         self.rank_batch = b // gpus
-        user = _optimizer_name(make_optimizer)
+        user = optimizer_name(make_optimizer)
         self.optimizers: dict[str, tuple[Callable, str, int]] = {f"yours: {user}": (make_optimizer, "", SAME)}
         self.optimizer_libraries: dict[str, tuple[str, ...]] = {}  # an optimizer plan() adds -> its library
         self.same_state: dict[str, str] = {}  # an optimizer -> the one whose state_info is its own (for-loop step)
@@ -132,16 +134,16 @@ class _Search:
             if not callable(make):
                 raise TypeError(f"optimizers[{name!r}] must build an optimizer from parameters "
                                 f"(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), not {make!r}")
-            self.optimizers[name] = (make, f"{_optimizer_name(make)} instead of {user}", TRAINING)
+            self.optimizers[name] = (make, f"{optimizer_name(make)} instead of {user}", TRAINING)
         if implementations:
             for name, (make, note, rank) in list(self.optimizers.items()):
-                for vname, vmake, vnote, state in _implementations(name, make, device):
+                for vname, vmake, vnote, state in other_implementations(name, make, device):
                     self.optimizers[vname] = (vmake, "; ".join(filter(None, [note, vnote])),
                                               max(rank, ROUNDING if "fused" in vname else SAME))
                     (self.same_state if state == "same" else self.state_above)[vname] = name
             # Yours with 8-bit moments (bitsandbytes), and yours and that one stepped in backward.
             stepped = [f"yours: {user}"]
-            eight = _eight_bit(make_optimizer)
+            eight = eight_bit_optimizer(make_optimizer)
             if eight is not None:
                 self.optimizers[eight[0]] = (eight[1], eight[2], ROUNDING)
                 self.optimizer_libraries[eight[0]] = ("bitsandbytes",)
@@ -149,7 +151,8 @@ class _Search:
             for name in stepped:
                 make, note, rank = self.optimizers[name]
                 self.optimizers[f"{name}, in backward"] = (
-                    _in_backward(make), "; ".join(filter(None, [note, "stepped in backward: no clipping"])), rank)
+                    stepped_in_backward(make), "; ".join(filter(None, [note, "stepped in backward: no clipping"])),
+                    rank)
                 if name in self.optimizer_libraries:  # (the hooks are PyTorch's: the recipe registers them)
                     self.optimizer_libraries[f"{name}, in backward"] = self.optimizer_libraries[name]
             # Yours with its state and step on the host (torchao), as fused as a fused=True step: rounding-level.
@@ -158,7 +161,7 @@ class _Search:
                 self.optimizer_libraries[name] = ("torchao",)
                 self.host[name] = gradients
         # (a host-offload optimizer is not built to ask: torchao asks for CUDA; it is an Adam or AdamW)
-        self.adam_like = {name: name in self.host or _adam_like(make)
+        self.adam_like = {name: name in self.host or is_adam_like(make)
                           for name, (make, _, _) in self.optimizers.items()}
         ks = accumulate if accumulate is not None else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                                         if self.rank_batch % k == 0]
@@ -354,9 +357,9 @@ class _Search:
             return self.state_info(c)
         if key not in self.floors:
             info: dict = {}
-            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
+            p = predict(model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
                         self.optimizers[c.optimizer][0], lambda: (),
-                        step=_optimizer_only(info), device=self.device, card=self.card, breakdown=False)
+                        step=optimizer_only_step(info), device=self.device, card=self.card, breakdown=False)
             self.predictions += 1
             info["peak"] = p.peak
             self.floors[key] = info
@@ -378,13 +381,13 @@ class _Search:
             info: dict = {}
             rules = CudaRules(self.card.compute_capability) if self.card is not None else CudaRules()
             with FakeTensorMode(allow_non_fake_inputs=True), rules if self.device == "cuda" else contextlib.nullcontext():
-                model = _model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
+                model = model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
                 with ValuesWhileBuilding():
                     optimizer = self.optimizers[c.optimizer][0](model.parameters())
                 if self.device == "cuda":
                     use_cuda_optimizer_defaults(optimizer)
-                with _state_by_foreach(optimizer), _StateAlone():
-                    _optimizer_only(info)(model, optimizer, ())
+                with _state_by_foreach(optimizer), StateAlone():
+                    optimizer_only_step(info)(model, optimizer, ())
                 info["before"] = state_bytes(model, optimizer)[0]
             self.states[key] = info
         return self.states[key]
@@ -449,9 +452,9 @@ class _Search:
         n = micro * proxy_k
         copies = [0]
         phases: dict = {}
-        p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
-                    self.optimizers[c.optimizer][0], _slice_batch(self.make_batch, n, self.facts.batch_size),
-                    step=_step_for(c, proxy_k, copies, self.loss, phases),
+        p = predict(model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora),
+                    self.optimizers[c.optimizer][0], slice_batch(self.make_batch, n, self.facts.batch_size),
+                    step=step_for(c, proxy_k, copies, self.loss, phases),
                     device=self.device, card=self.card, breakdown=False)  # (a row is bytes: no roles read)
         self.predictions += 1
         self.learn_phases(c, p, phases)
@@ -512,7 +515,7 @@ class _Search:
     def prefix(self, c: Candidate) -> None:
         """Once per configuration that nothing has bounded yet: its step up to its optimizer step, predicted without
         the warm-up and stopped as soon as its allocated bytes put every candidate of the configuration over the
-        budget (``steps._prefix_step``), or at the end of the forward where they are under ``hopeless`` (half) of it
+        budget (``steps.prefix_step``), or at the end of the forward where they are under ``hopeless`` (half) of it
         (the rest of the step is unlikely to get there). Its phases join those predictions learn (``phase_bound``)."""
         key = self.configuration(c)
         if key in self.prefixed or key in self.phases:
@@ -526,9 +529,9 @@ class _Search:
 
         for last_only in (True, False):  # accumulation: its last micro-batch alone, unless that cannot tell
             found = {}
-            p = predict(_model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora), _stateless,
-                        _slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
-                        step=_prefix_step(c, proxy_k, self.loss, found, enough, last_only), warmup_steps=0,
+            p = predict(model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora), _stateless,
+                        slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
+                        step=prefix_step(c, proxy_k, self.loss, found, enough, last_only), warmup_steps=0,
                         device=self.device, card=self.card, breakdown=False)
             self.predictions += 1
             if "shared" not in found:
@@ -686,10 +689,10 @@ class _Search:
             micro = self.rank_batch // c.accumulate
             copies = [0]
             with FakeTensorMode(allow_non_fake_inputs=True):
-                model = _model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
-                batch = _slice_batch(self.make_batch, micro, self.facts.batch_size)()
-                # The forward and the loss, as the step runs them under save_on_cpu, whose place _offload takes.
-                with _offload(copies):
+                model = model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
+                batch = slice_batch(self.make_batch, micro, self.facts.batch_size)()
+                # The forward and the loss, as the step runs them under save_on_cpu, whose place fake_save_on_cpu takes.
+                with fake_save_on_cpu(copies):
                     micro_loss(model, batch, replace(c.technique(1), offload=False), candidate_loss(c, self.loss))
             self.copies[key] = copies[0] * c.accumulate
         return self.copies[key]

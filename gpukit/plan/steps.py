@@ -13,18 +13,18 @@ from torch import nn
 
 from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
-from ..counter import FAKE_LEDGER, saved_tensors, round_up
+from ..counter import FAKE_LEDGER, round_up, saved_tensors
 from ..estimate import distinct_storages, state_bytes, storage_bytes
 from ..factories import fake_model, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
 from .candidates import Candidate
-from .facts import LORA_RANK, QUANTIZATION, _bitsandbytes, lora_targets
+from .facts import LORA_RANK, QUANTIZATION, import_bitsandbytes, lora_targets
 
 # -- predicting one candidate ------------------------------------------------------------------------------------
 
 
-def _slice_batch(make_batch, n: int, b: int):
+def slice_batch(make_batch, n: int, b: int):
     """``make_batch`` cut to its first ``n`` samples (copies: a view would keep the whole batch's storage)."""
     if n == b:
         return make_batch
@@ -36,7 +36,7 @@ def _slice_batch(make_batch, n: int, b: int):
 
 
 @contextlib.contextmanager
-def _offload(counter: list[int] | None = None):
+def fake_save_on_cpu(counter: list[int] | None = None):
     """What ``torch.autograd.graph.save_on_cpu`` does to device memory, on fake tensors: every tensor saved for
     backward leaves the device (the host copy is not device memory) and comes back, as a new tensor of its size,
     when backward unpacks it (zeros: fake tensors carry no values worth keeping). ``counter[0]`` adds up the bytes copied (both ways)."""
@@ -67,7 +67,7 @@ def candidate_loss(candidate: Candidate, loss):
     return functools.partial(chunked_causal_lm_loss, chunk_tokens=CHUNK_TOKENS)
 
 
-def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None,
+def step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = None, loss=None,
               phases: dict | None = None):
     """The candidate's training step, as ``predict()`` runs it. ``phases``: filled by ``_Phases`` in the predicted
     step (what it allocated by the end of the forward and by the optimizer step, and the optimizer's state)."""
@@ -80,7 +80,8 @@ def _step_for(candidate: Candidate, accumulate: int, copies: list[int] | None = 
             state["scaler"] = ScalerThatAlwaysSteps(batch_device(batch).type)  # made inside the fake run
         watch = _Phases(phases, model, optimizer, state.get("scaler")) if phases is not None and FAKE_LEDGER.tallies \
             else None  # (the warm-up step runs outside the ledger's block)
-        with watch or contextlib.nullcontext(), _offload(copies) if candidate.offload else contextlib.nullcontext():
+        offload = fake_save_on_cpu(copies) if candidate.offload else contextlib.nullcontext()
+        with watch or contextlib.nullcontext(), offload:
             train_step(model, optimizer, batch, technique, state.get("scaler"),
                        loss=watch.loss(loss) if watch is not None and loss is not None else loss)
 
@@ -154,12 +155,12 @@ class _Phases:
 
 
 class _Stop(Exception):
-    """Ends a prefix of a step (``_prefix_step``) where its bound is known."""
+    """Ends a prefix of a step (``prefix_step``) where its bound is known."""
 
 
-def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough: Callable[[int, bool], bool],
+def prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough: Callable[[int, bool], bool],
                  last_only: bool = True):
-    """The candidate's step as ``_step_for`` runs it, up to its optimizer step (the GradScaler's), never into it,
+    """The candidate's step as ``step_for`` runs it, up to its optimizer step (the GradScaler's), never into it,
     for ``predict(..., warmup_steps=0)`` with an optimizer that has no state: a bound of the step's need before its
     optimizer step, for any optimizer, at a fraction of a prediction's cost (no warm-up step, no optimizer step,
     and it stops where ``enough(allocated, forward)`` says so: the allocated bytes so far, at the end of the
@@ -258,7 +259,7 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
             lambda module, args, output: reached(counted("output") and loss is None, output=output)))
         user_loss = measured if loss is not None else None
         try:
-            with _offload() if candidate.offload else contextlib.nullcontext():  # as _step_for's
+            with fake_save_on_cpu() if candidate.offload else contextlib.nullcontext():  # as step_for's
                 if alone:  # train_step's own parts, its last micro-batch alone
                     parts = micro_batches(batch, accumulate, user_loss)
                     optimizer.zero_grad(set_to_none=True)
@@ -283,7 +284,7 @@ def _prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enoug
 
 
 def _earlier_gradients(model: nn.Module, output, found: dict, handles: list) -> tuple[int, int]:
-    """At the end of the last micro-batch's forward, run alone (``_prefix_step``): the gradients the earlier
+    """At the end of the last micro-batch's forward, run alone (``prefix_step``): the gradients the earlier
     micro-batches would have left, made now, and their bytes. A micro-batch gives a gradient to each trained
     parameter its graph reaches (an ``AccumulateGrad`` node); the first one's becomes ``.grad`` (taken over, or
     copied in the parameter's layout: torch/csrc/autograd/functions/accumulate_grad.h), later ones add into it
@@ -341,7 +342,7 @@ def saved_bytes(output) -> int:
 
 
 def prefix_residual(found: dict) -> int:
-    """After ``predict`` has run a ``_prefix_step``: what the step made that was still allocated when the prediction
+    """After ``predict`` has run a ``prefix_step``: what the step made that was still allocated when the prediction
     stopped counting (its tally's level then), but its gradients: a cache a module or a library keeps, the
     GradScaler's scale. A real step finds them made by its warm-up step and does not count them."""
     tally = found.pop("tally")
@@ -406,7 +407,7 @@ def quantize_4bit(model: nn.Module) -> nn.Module:
     attributes and quantization state, which ``Linear4bit.forward`` reads; each layer's forward computes its product
     as bitsandbytes' kernels on a CPU do (``_Dequantized``). On a simulated GPU the cache is then emptied, as peft's
     ``prepare_model_for_kbit_training`` does on a real one (``torch.cuda.empty_cache()``, auto_clear_cache=True)."""
-    bnb = _bitsandbytes()
+    bnb = import_bitsandbytes()
     with _disable_current_modes():  # (the modules are made on the meta device, Params4bit around real meta tensors)
         from transformers import BitsAndBytesConfig
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -458,10 +459,10 @@ def with_qlora(model: nn.Module) -> nn.Module:
     return with_lora(model)
 
 
-def _model_maker(make_model, precision: str, fake: bool = True, lora: bool = False, qlora: bool = False):
+def model_maker(make_model, precision: str, fake: bool = True, lora: bool = False, qlora: bool = False):
     """A candidate's model factory. ``fake``: called under fake tensors, where a model that already exists comes
     as a fake copy (``gpukit.factories.fake_model``), so that converting it never reaches the user's model
-    (``make_model`` for a real step copies such a model: ``_Search.make_real_model``)."""
+    (``make_model`` for a real step copies such a model: ``PlanSearch.make_real_model``)."""
 
     def convert(model: nn.Module) -> nn.Module:
         with swappable_fakes(active_fake_mode()):  # (fake parameters: see gpukit.factories)
@@ -498,8 +499,8 @@ def _only_writes(func) -> bool:
                            and returns[0].alias_info.before_set == schema.arguments[0].alias_info.before_set)
 
 
-class _StateAlone(TorchDispatchMode):
-    """Inside an optimizer step on fake tensors whose state alone is read (``_Search.state_info``): an op that only
+class StateAlone(TorchDispatchMode):
+    """Inside an optimizer step on fake tensors whose state alone is read (``PlanSearch.state_info``): an op that only
     writes into tensors it is given (``_only_writes``) allocates nothing and changes no size, and where those are
     fake tensors too big to hold a value (a step counter does: Adam divides by ``1 - beta1 ** step``) it changes
     nothing: it is not run. The state is made by the step's other ops (``zeros_like`` in ``_init_group``)."""
@@ -512,7 +513,7 @@ class _StateAlone(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _optimizer_only(info: dict):
+def optimizer_only_step(info: dict):
     """A step without forward or backward: gradients appear as zeros, then the optimizer steps. Its peak is a
     lower bound of every real step with this model and optimizer (the same state, the same optimizer step)."""
 

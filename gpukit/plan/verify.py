@@ -13,19 +13,19 @@ import torch
 from ..report import format_bytes
 from ..step import map_tensors, train_step
 from .candidates import Candidate, Row, Verification
-from .search import _Search
+from .search import PlanSearch
 from .facts import quantization_state_of
-from .steps import _model_maker, candidate_loss
+from .steps import candidate_loss, model_maker
 
 # -- running candidates for real ---------------------------------------------------------------------------------
 
 
-def _verify_on(search: _Search) -> str:
+def _verify_on(search: PlanSearch) -> str:
     """Where the plan's steps run for real: the planned device if this machine has it, else the CPU."""
     return search.device if search.device == "cpu" or torch.cuda.is_available() else "cpu"
 
 
-def _small_enough(search: _Search, row: Row) -> bool:
+def _small_enough(search: PlanSearch, row: Row) -> bool:
     """Whether a real step of this candidate can run here: on the GPU, within its free memory; on the CPU, at
     most a quarter of the free memory (a step the size of the machine is not a cheap check)."""
     if _verify_on(search) == "cuda":
@@ -75,8 +75,8 @@ def build_candidate(make_model, make_optimizer, candidate: Candidate, *, device=
     needs the stand-ins too)."""
     dev = torch.device(device)
     with dev:
-        model = _model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora,
-                             qlora=candidate.qlora)()
+        model = model_maker(make_model, candidate.precision, fake=False, lora=candidate.lora,
+                            qlora=candidate.qlora)()
     model.to(dev)
     with _stand_ins(make_optimizer, dev):
         optimizer = make_optimizer(model.parameters())
@@ -159,7 +159,7 @@ def _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev
     return model, peak, seconds
 
 
-def _time_fitting(search: _Search) -> str | None:
+def time_fitting(search: PlanSearch) -> str | None:
     """Time the step of each fitting candidate small enough for this machine, beside the plain step's (their
     ``measured_slowdown``); returns why they could not run here, or None."""
     fitting = [r for r in search.rows.values() if r.fits and r.need is not None and _small_enough(search, r)]
@@ -180,7 +180,9 @@ def _time_fitting(search: _Search) -> str | None:
     return None
 
 
-def _verify(search: _Search, choice: Row | None, timing_error: str | None) -> Verification:
+def verify_choice(search: PlanSearch, choice: Row | None, timing_error: str | None) -> Verification:
+    """One real step of the chosen row under ``gpukit.budget``, where this machine can run it, or why there was
+    none (``timing_error``: why ``time_fitting`` could not run the fitting candidates here)."""
     if choice is None:
         return Verification(False, "nothing to verify: no candidate fits")
     if not _small_enough(search, choice):
