@@ -1,5 +1,6 @@
 """The benchmarks' machinery: the technique matrix, recorded GPU runs in data/runs/, and docs/results.md."""
 
+import importlib
 import importlib.util
 import shutil
 from pathlib import Path
@@ -216,3 +217,45 @@ def test_the_cuda_exactness_reference_replays_the_allocators_trace(monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [list(log)]})
     assert exactness.allocator_trace_peak(run, torch.device("cuda", 0)) == 5000  # 3000 + 2000 after the free
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """bench/published.py, imported as the benchmark runner imports it (beside its sibling ``results``, and by name:
+    its dataclass looks its module up in sys.modules)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("published")
+
+
+def test_every_published_configuration_names_its_source_metric_and_run(published):
+    from gpukit.cards import CARDS
+
+    assert len(published.CONFIGS) >= 8
+    assert len({c.name for c in published.CONFIGS}) == len(published.CONFIGS)
+    for c in published.CONFIGS:
+        assert "commit" in c.source and c.metric and c.configuration and c.assumed, c.name
+        assert c.card in CARDS and c.counts in ("allocated", "reserved")
+        # the figure is the one the quote prints: MB as nvidia-smi's MiB, or GB as max_memory_allocated / 1e9
+        figure = f"{c.published_mib:.0f}" if c.counts == "reserved" else f"{c.published_mib * 2**20 / 1e9:.2f}"
+        assert figure in c.quote, (c.name, figure, c.quote)
+        assert c.context_mib == 0 or c.counts == "reserved"
+
+
+def test_a_small_published_style_run_is_predicted_end_to_end(published):
+    """A 1-layer BERT through the same Trainer step (accumulation, checkpointing, fp16 and its GradScaler) as the
+    published rows, on the CPU, predicting for a card: the row's predicted figure is the context plus the simulated
+    reserved bytes, and its error is measured against the published figure."""
+    from transformers import BertConfig
+
+    small = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       intermediate_size=128, max_position_embeddings=512, num_labels=2)
+    config = published.Config(
+        name="small", source="commit x", quote="1000 MB", configuration="batch 1 x 2", metric="nvidia-smi",
+        published_mib=1000, card="t4", counts="reserved", context_mib=500, assumed="-",
+        make_model=published.bert_classifier(small, checkpointing=True), make_optimizer=published.adamw_hf,
+        make_batch=published.dummy_batch(2), make_step=lambda: published.trainer_step(accumulation=2, fp16=True))
+    row = published.run(config)
+    assert row["predicted_reserved_mib"] >= row["predicted_allocated_mib"] > 0
+    assert row["predicted_mib"] == pytest.approx(500 + row["predicted_reserved_mib"], abs=0.1)
+    assert row["error_pct"] == pytest.approx(100 * (row["predicted_mib"] - 1000) / 1000, abs=0.01)
+    assert not any(flag.startswith("not as on the card") for flag in row["flags"].split("; "))
