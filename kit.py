@@ -533,16 +533,27 @@ def run_notebooks(notebooks: list[Path], workers: int, deadline: float, to: Path
     """Run the notebooks, ``workers`` at a time, each stored in ``to`` with its outputs by tests/notebooks_on_card.py
     (which stops its notebook at the deadline); one still running NOTEBOOK_GRACE_S past it is killed. Returns each
     notebook's summary; a notebook never started has ``cut`` set and no file."""
+    pending, running, results = list(notebooks), {}, []
+    try:
+        return _run_notebooks(pending, running, results, workers, deadline, to, logs, card, torch_version)
+    except BaseException:             # told to end (SIGTERM): no kernel outlives the check
+        for proc, out in running.values():
+            stop(proc, 0.0)
+            out.close()
+        raise
+
+
+def _run_notebooks(pending: list[Path], running: dict, results: list[dict], workers: int, deadline: float, to: Path,
+                   logs: Path, card: str, torch_version: str) -> list[dict]:
     import json
 
-    pending, running, results = list(notebooks), {}, []
     while pending or running:
         while pending and len(running) < workers:
             left = deadline - time.monotonic()
             if left < NOTEBOOK_MIN_S:
                 results += [{"notebook": nb.stem, "cut": "not started: no time left", "failed": [], "ran": 0}
                             for nb in pending]
-                pending = []
+                pending.clear()
                 break
             nb = pending.pop(0)
             out = open(logs / f"{nb.stem}.log", "w")
@@ -565,7 +576,7 @@ def run_notebooks(notebooks: list[Path], workers: int, deadline: float, to: Path
                 results.append(json.loads(last))
             except ValueError:
                 results.append({"notebook": nb.stem, "failed": [], "ran": None,
-                                "cut": f"killed past the deadline" if late else f"the runner failed (exit "
+                                "cut": "killed past the deadline" if late else f"the runner failed (exit "
                                        f"{proc.returncode}): {last[:300]}"})
     return results
 
@@ -573,7 +584,8 @@ def run_notebooks(notebooks: list[Path], workers: int, deadline: float, to: Path
 def notebook_lines(results: list[dict], alone: set[str], stored: Path) -> list[str]:
     done = [r for r in results if not r["failed"] and not r["cut"]]
     lines = [f"notebooks: {len(done)} of {len(results)} ran to the end with no failing cell, stored with their outputs "
-             f"in {stored.relative_to(ROOT)}/" + (f" ({', '.join(sorted(alone))} alone: they time steps)" if alone else "")]
+             f"in {stored.relative_to(ROOT)}/"
+             + (f" ({', '.join(sorted(alone))} alone: they time steps)" if alone else "")]
     for r in sorted(results, key=lambda r: r["notebook"]):
         took = f" ({r['seconds']:.0f} s)" if r.get("seconds") is not None else ""
         if r["cut"]:
@@ -677,7 +689,8 @@ def gpu_check(args: list[str]) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     stored = ROOT / "data" / "runs" / slug
     lines = [f"gpukit gpu-check: {where}, torch {info['torch']}, CUDA {info['cuda_version']}",
-             f"budget: {opts.budget:.0f} s from kit.py's start; set-up and probe took {time.monotonic() - STARTED:.0f} s"]
+             f"budget: {opts.budget:.0f} s from kit.py's start; set-up and probe took "
+             f"{time.monotonic() - STARTED:.0f} s"]
     if info["cuda"]:
         # cuBLAS's workspaces (gpukit.warm_up): expected at least one per thread that multiplied.
         first, size = info["first_warm_up"], info["workspace"]

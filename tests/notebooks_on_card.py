@@ -57,7 +57,8 @@ def run(path: Path, to: Path, seconds: float, card: str, torch_version: str) -> 
     nb = nbformat.read(path, as_version=4)
     to.mkdir(parents=True, exist_ok=True)
     stored = to / path.name
-    summary = {"notebook": path.stem, "cells": sum(c.cell_type == "code" for c in nb.cells), "ran": 0, "failed": [], "cut": None, "seconds": 0.0}
+    summary = {"notebook": path.stem, "cells": sum(c.cell_type == "code" for c in nb.cells), "ran": 0, "failed": [],
+               "cut": None, "seconds": 0.0}
     current = [0]
 
     def store(**_):
@@ -87,7 +88,9 @@ def run(path: Path, to: Path, seconds: float, card: str, torch_version: str) -> 
         except nbclient.exceptions.CellTimeoutError:
             summary["cut"] = f"stopped in cell {current[0]}: {seconds:.0f} s were up"
         except nbclient.exceptions.DeadKernelError as err:
-            summary["cut"] = f"the kernel died in cell {current[0]}: {str(err).splitlines()[0][:300]}"
+            summary["cut"] = f"the kernel died in cell {current[0]}: {(str(err).splitlines() or [''])[0][:300]}"
+        except Exception as err:         # the kernel did not start, say: the cells that ran are kept all the same
+            summary["cut"] = f"{type(err).__name__} in cell {current[0]}: {(str(err).splitlines() or [''])[0][:300]}"
     summary["failed"] = [f for f in failures(nb) if not (summary["cut"] and f[0] == current[0])]  # the cut one
     summary["seconds"] = round(time.monotonic() - started, 1)
     store()

@@ -285,7 +285,8 @@ def test_bitsandbytes_keeps_only_the_libraries_of_the_cuda_named(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         record = z.read("bitsandbytes-1.0.dist-info/RECORD").decode()
-    kept = ["bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so"]
+    kept = ["bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so",
+            "bitsandbytes/libbitsandbytes_cuda130.so"]
     assert [n for n in names if n.startswith("bitsandbytes/")] == kept
     assert [line.split(",")[0] for line in record.splitlines() if line.startswith("bitsandbytes/")] == kept
 
@@ -301,7 +302,8 @@ def test_the_offline_install_takes_only_the_carried_wheels(tmp_path):
     fake_wheel(elsewhere, "gpukit_carried", {"gpukit_carried/__init__.py": b"WHERE = 'elsewhere'\n"}, "2.0")
     env = kit.offline_pip_environment(dict(os.environ, PIP_FIND_LINKS=str(elsewhere),
                                            PIP_INDEX_URL="http://127.0.0.1:9/simple"))
-    assert env["PIP_CONFIG_FILE"] == os.devnull and not any(k.startswith("PIP_") and k != "PIP_CONFIG_FILE" for k in env)
+    assert env["PIP_CONFIG_FILE"] == os.devnull
+    assert not any(k.startswith("PIP_") and k != "PIP_CONFIG_FILE" for k in env)
     assert kit.carried(wheels) == ["gpukit-carried"]
     target = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-index",
