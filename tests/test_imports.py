@@ -1,7 +1,7 @@
 """The shape of gpukit's imports: they run one way (no module imports, however indirectly, one that imports it),
 the library never reaches up into the lessons nor into a package's own face, and a private name stays in its module.
 
-Read from the source with ``ast``; nothing is imported or run. Device: none (the CPU reads files).
+Device: CPU. The source is read with ``ast``: the walk imports nothing, and makes no tensor.
 
 What counts as an import of a module: ``import gpukit.x``, ``from gpukit.x import name`` and ``from . import x`` (a
 submodule: that module, not the package it sits in, whose own code has run already), wherever the statement stands:
@@ -15,9 +15,7 @@ import collections
 from dataclasses import dataclass
 from pathlib import Path
 
-import gpukit
-
-PACKAGE = Path(gpukit.__file__).parent
+PACKAGE = Path(__file__).resolve().parent.parent / "gpukit"
 LESSONS = "gpukit.lessons"
 
 # Private names imported across modules, each with why it cannot be public in its module or move where it is used.
