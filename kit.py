@@ -320,8 +320,13 @@ def setup_offline(wheels: Path = WHEELS) -> bool:
     pip = [VENV_PY, "-m", "pip"] if has_pip else [VENV_PY, f"{pip_wheel}/pip"]
     # gpukit's own dependencies (torch, numpy, pandas, ...) are the machine's where it has them: pip keeps what the
     # linked site-packages already satisfy and takes the rest from the wheels.
-    _run([*pip, "install", "--disable-pip-version-check", "-q", "--no-compile", "--no-index", "--find-links", wheels,
-          "-e", ROOT, *names], env=offline_pip_environment())
+    try:
+        _run([*pip, "install", "--disable-pip-version-check", "-q", "--no-compile", "--no-index", "--find-links",
+              wheels, "-e", ROOT, *names], env=offline_pip_environment())
+    except subprocess.CalledProcessError:
+        sys.exit(f"kit.py: the wheels in {wheels} do not install into .venv on {sys.executable} (pip says why above): "
+                 f"they are made for one Python (python3 kit.py gpu-wheels --python-version X.Y); where this machine "
+                 f"reaches a package index, remove {wheels.name}/ and .venv is set up from the index")
     STAMP.write_text(key)
     return True
 

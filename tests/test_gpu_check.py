@@ -337,3 +337,12 @@ def test_set_up_without_an_index_links_the_machines_torch_and_installs_from_the_
     assert kit.setup_offline(wheels) and len(ran) == 1
     monkeypatch.setattr(kit, "link_torch", lambda venv_python, site: None)
     assert not kit.setup_offline(wheels) and len(ran) == 1
+    # Wheels made for another Python: pip fails, and set-up says what to do instead of a traceback.
+    monkeypatch.setattr(kit, "link_torch", lambda venv_python, site: "2.13.0")
+
+    def pip_fails(cmd, **kw):
+        raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(kit, "_run", pip_fails)
+    with pytest.raises(SystemExit, match="they are made for one Python"):
+        kit.setup_offline(wheels)
