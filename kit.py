@@ -730,6 +730,8 @@ def gpu_check(args: list[str]) -> int:
         # alone on the machine: the matrix times steps.
         if "bench" not in opts.skip:
             began = time.monotonic()
+            print(f"== benchmarks: exactness, techniques --record ({min(150.0, 0.35 * left()):.0f} s at most)",
+                  flush=True)
             code = run_until([VENV_PY, ROOT / "bench" / "run.py", "exactness", "techniques", "--record"],
                              began + min(150.0, 0.35 * left()), logs / "bench.log")
             took = time.monotonic() - began
@@ -767,6 +769,8 @@ def gpu_check(args: list[str]) -> int:
             began = time.monotonic()
             deadline = began + min(330.0, 0.85 * left())
             share = (deadline - began) * (0.6 if alone else 1.0) - (NOTEBOOK_GRACE_S if alone else 0)
+            print(f"== notebooks: {len(together)}, {opts.workers} at a time ({share:.0f} s at most), then "
+                  f"{len(alone)} alone (until {deadline - began:.0f} s)", flush=True)
             results = run_notebooks(together, opts.workers, began + share, stored, logs, card, info["torch"])
             if compare:                     # before the notebooks that time steps: nothing else runs beside them
                 lines += compared(began + share)
@@ -842,6 +846,7 @@ def run_tests(end: float, logs: Path, pytest_args: list[str], problems: list[str
         junit.unlink(missing_ok=True)  # never read a record left by an earlier run
         per_test = ["-p", "timeout", f"--timeout={max(10, int((deadline - time.monotonic()) / 2))}"] if timeout else []
         began = time.monotonic()
+        print(f"== tests ({name}): {deadline - began:.0f} s at most", flush=True)
         code = run_until([VENV_PY, "-m", "pytest", "-p", "xdist", "-n", str(min(16, cores)), "-m", "not browser",
                           "-p", "no:cacheprovider", f"--junitxml={junit}", *per_test, *pytest_args, *selection],
                          deadline, logs / f"tests-{name.lower()}.log", env=test_environment())
