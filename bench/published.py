@@ -32,8 +32,9 @@ GOAL_PCT = 3.0  # the error each configuration should stay within
 
 HF_SINGLE_GPU = (
     "huggingface/transformers, docs/source/en/perf_train_gpu_one.mdx at commit "
-    "0016acf7ef421c7fe8eff7945de52c71896c3b01 (\"Efficient Training on a Single GPU\"; published as "
-    "https://huggingface.co/docs/transformers/v4.21.0/perf_train_gpu_one)")
+    "0016acf7ef421c7fe8eff7945de52c71896c3b01 (\"Efficient Training on a Single GPU\"): "
+    "https://github.com/huggingface/transformers/blob/0016acf7ef421c7fe8eff7945de52c71896c3b01/"
+    "docs/source/en/perf_train_gpu_one.mdx")
 
 # What the source prints before any model exists: `torch.ones((1, 1)).to("cuda")` then nvidia-smi's used memory,
 # "GPU memory occupied: 1343 MB." (info.used // 1024**2, so MiB), on the same Tesla V100-SXM2 16 GB the runs used.
@@ -234,7 +235,8 @@ CONFIGS = [
 # -- torchao's optimizer benchmarks: timm ViTs, rebuilt with transformers' ViT and DINOv2 ---------------------------
 
 TORCHAO_README = ("pytorch/ao, torchao/optim/README.md at commit 072500abcfbdec15a429eb53160c63fb92534b85 "
-                  "(\"Low-bit and specialized optimizers\", section {})")
+                  "(\"Low-bit and specialized optimizers\", section {}): https://github.com/pytorch/ao/blob/"
+                  "072500abcfbdec15a429eb53160c63fb92534b85/torchao/optim/README.md")
 TORCHAO_METRIC = ("torch.cuda.max_memory_allocated() / 1e9, printed as GB by pytorch/ao benchmarks/"
                   "benchmark_low_bit_adam.py (\"Max memory used\", at commit 03cf0adec63fdbae2fd6d2aa7688b52ee8c64004)")
 # The 4070Ti SUPER (16 GB, Ada, sm89) is not in gpukit.cards; the L4 is the same architecture and compute capability,
