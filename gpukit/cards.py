@@ -95,6 +95,12 @@ class Card:
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))  # read-only, as the card is
 
     @property
+    def device_bytes(self) -> int:
+        """The memory a simulated device of this card gets: what torch reports as its total where a report is
+        recorded (a T4's 14,930 MiB), else the data sheet's figure (an H100's 80 GB)."""
+        return self.torch_total_memory or self.memory_bytes
+
+    @property
     def bf16_tensor_cores(self) -> bool:
         """Whether bfloat16 runs on tensor cores: compute capability 8.0 (Ampere) and later. On a T4 (7.5) bfloat16
         has none: its matmuls are far slower than float16's, and ``torch.cuda.is_bf16_supported()`` says True only

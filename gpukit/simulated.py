@@ -160,11 +160,6 @@ def _resolve_card(card) -> Card:
     raise TypeError(f"card={card!r}: a gpukit.cards.Card or a card's name ('t4', 'a100-80gb', 'h100'...)")
 
 
-def _card_bytes(c: Card) -> int:
-    """What torch reports as the card's total memory where known (a T4's 14,930 MiB), else its data sheet's."""
-    return c.torch_total_memory or c.memory_bytes
-
-
 _ACTIVE: "SimulatedCuda | None" = None
 
 
@@ -237,7 +232,7 @@ class SimulatedCuda:
         global _ACTIVE
         self.card = _resolve_card(card)
         self.memory = _Memory(self)
-        allocator = CachingAllocator(_card_bytes(self.card), config)
+        allocator = CachingAllocator(self.card.device_bytes, config)
         allocator.name = f"{self.card.name} (on this CPU)"
         self._allocator = allocator
         self._device = _CardDevice(allocator=allocator)

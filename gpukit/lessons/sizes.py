@@ -168,9 +168,9 @@ class LessonSettings:
 
 
 def card_memory(c: Card) -> int:
-    """The bytes a card's simulated device gets: what torch reports for it where a report is recorded (a T4's
-    14,930 MiB), else the data sheet's figure (an H100's 80 GB), never more than the card holds."""
-    return c.torch_total_memory or c.memory_bytes
+    """The bytes a card's simulated device gets (``Card.device_bytes``): what torch reports for it where a report is
+    recorded (a T4's 14,930 MiB), else the data sheet's figure (an H100's 80 GB)."""
+    return c.device_bytes
 
 
 def tier_of(total_memory: int) -> str:
