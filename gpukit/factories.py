@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import logging
+import sys
 import threading
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -196,11 +200,70 @@ def swappable_fakes(mode: FakeTensorMode | None):
             torch.utils.swap_tensors = swap
 
 
+# Where the libraries a candidate needs talk when imported: torchao's kernels for other GPUs it could not load,
+# torch's warning about how torchao registers its enums, bitsandbytes' CPU backend missing an optional kernel
+# package, peft's own notices.
+IMPORT_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "peft")
+
+
+@contextlib.contextmanager
+def quiet_import():
+    """Import a library a prediction needs (peft, torchao, bitsandbytes, transformers' quantizers) outside any fake mode
+    (the tensors a library makes when imported stay real, and no fake storage lives on in its modules, which would
+    make every later prediction collect all garbage first: ``gpukit.estimate.predict``), with what it logs
+    (``IMPORT_LOGGERS``) and warns kept out of the user's output. Where the import fails, what it said is shown
+    then, before the error."""
+
+    kept: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record)
+
+    keep, saved = Keep(), []
+    for name in IMPORT_LOGGERS:
+        log = logging.getLogger(name)
+        saved.append((log, log.propagate))
+        log.addHandler(keep)
+        log.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as warned, _disable_current_modes():
+            warnings.simplefilter("always")
+            yield
+    except BaseException:
+        _restore(saved, keep)
+        for record in kept:
+            logging.getLogger(record.name).handle(record)
+        for w in warned:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        raise
+    _restore(saved, keep)
+
+
+def _restore(saved: list[tuple[logging.Logger, bool]], handler: logging.Handler) -> None:
+    for log, propagate in saved:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
+def preload_quietly() -> None:
+    """Import, quietly and outside any fake mode, what transformers imports on a model's first build: its
+    quantizers, which import torchao (``transformers/quantizers/auto.py``), whose load messages would otherwise
+    reach the user from inside a prediction, and whose modules would keep fake tensors made while they load."""
+    if "transformers" in sys.modules and "transformers.quantizers.auto" not in sys.modules:
+        try:
+            with quiet_import():
+                importlib.import_module("transformers.quantizers.auto")
+        except Exception:  # a transformers without it: the model's own build imports what it needs
+            pass
+
+
 def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding | None = None) -> nn.Module:
     """``make_model()`` under the fake mode in force; where that returns a model holding real tensors (one that
     already existed: ``lambda: model``), a ``fake_copy`` of it. Outside a fake mode, ``make_model()`` itself.
     ``values``: a ``ValuesWhileBuilding`` to build under, for initialisers that read values (where none is given
     and none is in force, a new one)."""
+    preload_quietly()
     mode = active_fake_mode()
     if values is None and mode is not None and not building():
         values = ValuesWhileBuilding()  # (the planner's bounds build models too: a ViT's trunc_normal_ reads values)

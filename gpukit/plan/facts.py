@@ -17,7 +17,7 @@ from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..estimate import storage_bytes
-from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, real_tensors
+from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, preload_quietly, quiet_import, real_tensors
 from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
@@ -96,6 +96,7 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     ``gpukit.step.train_step`` (resolved: None or a function)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    preload_quietly()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
             model = make_model()
@@ -308,20 +309,12 @@ def eight_bit_optimizer(make_optimizer) -> tuple[str, Callable, str] | None:
 
 
 def import_bitsandbytes():
-    """``bitsandbytes``, imported without the warning its CPU backend logs where an optional kernel package is
-    missing (a faster CPU kernel of 4-bit products for inference, which no plan runs: training dequantizes), and
-    outside any fake mode: the tensors bitsandbytes makes when imported (its 4-bit code tables) stay real, and no
-    fake storage lives on in its module, which would make every later prediction collect all garbage first
-    (``gpukit.estimate.predict``)."""
-    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with _disable_current_modes():
-            import bitsandbytes
-            import bitsandbytes.optim  # noqa: F401
-    finally:
-        log.setLevel(level)
+    """``bitsandbytes`` with its optimizers, imported quietly (``quiet_import``: its CPU backend warns where an
+    optional kernel package is missing, a faster CPU kernel of 4-bit products for inference, which no plan runs:
+    training dequantizes)."""
+    with quiet_import():
+        import bitsandbytes
+        import bitsandbytes.optim  # noqa: F401
     return bitsandbytes
 
 

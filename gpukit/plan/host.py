@@ -13,15 +13,14 @@ its constructor ("single-GPU training"), and ``zero_grad`` accepts only ``set_to
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import Callable
 
 import torch
 
-from .._torch import _disable_current_modes
 from ..counter import round_up
 from ..report import format_bytes
 from .candidates import Candidate, Row
+from ..factories import quiet_import
 from .facts import probe_optimizer
 from .steps import model_maker, slice_batch, step_for
 
@@ -36,24 +35,17 @@ HOST_STEP_VALUES = 7
 
 
 def torchao_optim():
-    """``torchao.optim``, or None where torchao is not installed or does not import. Imported outside any fake mode
-    (what torchao makes when imported stays real, and no fake storage lives on in its modules), its import noise
-    silenced as gpukit's lessons silence it: the CUDA kernels' libraries it could not load (logger "torchao") and
-    torch's warning about how torchao registers its enums ("torch.utils._pytree")."""
+    """``torchao.optim``, or None where torchao is not installed or does not import (a torchao built for another
+    torch: no candidate, as if it were not installed; what it said then is shown). Imported quietly
+    (``gpukit.plan.facts.quiet_import``): the libraries of CUDA kernels it could not load, and torch's warning about
+    how torchao registers its enums, stay out of the user's output."""
     if importlib.util.find_spec("torchao") is None:
         return None
-    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
     try:
-        with _disable_current_modes():
+        with quiet_import():
             import torchao.optim
-    except Exception:  # a torchao built for another torch: no candidate, as if it were not installed
+    except Exception:
         return None
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
     return torchao.optim
 
 

@@ -15,7 +15,7 @@ from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up, saved_tensors
 from ..estimate import distinct_storages, state_bytes, storage_bytes
-from ..factories import fake_model, swappable_fakes, valueless
+from ..factories import fake_model, quiet_import, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
 from .candidates import Candidate
@@ -364,7 +364,7 @@ def with_lora(model: nn.Module) -> nn.Module:
     trained on ``lora_targets``. peft is imported outside any fake mode: tensors it makes when imported (default
     arguments of its LoHa layers) stay real, and no fake storage lives on in its modules, which would make every
     later prediction collect all garbage first."""
-    with _disable_current_modes():
+    with quiet_import():
         import peft
 
     return peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
@@ -452,7 +452,7 @@ def with_qlora(model: nn.Module) -> nn.Module:
     """``model`` as QLoRA trains it: its Linear layers' weights in 4-bit NF4 (``quantize_4bit``), prepared by
     peft's ``prepare_model_for_kbit_training`` (every parameter frozen, 16-bit ones made float32; its gradient
     checkpointing left to the candidate), then LoRA adapters (``with_lora``)."""
-    with _disable_current_modes():
+    with quiet_import():
         import peft
 
     model = peft.prepare_model_for_kbit_training(quantize_4bit(model), use_gradient_checkpointing=False)
