@@ -7,6 +7,7 @@ a GPU or the network."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -124,7 +125,8 @@ def test_a_stage_past_its_deadline_is_cut_and_reported(tmp_path, monkeypatch):
                           f"{time.monotonic() - kit.STARTED + 3:.1f}"]) == 1
     assert time.monotonic() - began < 30           # the benchmark would take 60 s
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
-    assert "benchmarks: CUT after 1 s, their deadline" in report
+    # (how long the stop took depends on the machine's load: the cut and its reason are what is checked)
+    assert re.search(r"benchmarks: CUT after \d+ s, their deadline", report), report
 
 
 def test_run_until_stops_the_whole_process_group_at_the_deadline(tmp_path):
@@ -153,7 +155,7 @@ with open(to.parent / "order.txt", "a") as f:
     f.write(f"start {nb.stem} {time.monotonic()}\\n")
 (to / nb.name).write_text(json.dumps({"card": card, "outputs": "executed"}))
 if "hangs" in nb.stem:
-    time.sleep(60)
+    time.sleep(180)
 time.sleep(0.3)
 failed = [[4, "AssertionError: only on the card"]] if "fails" in nb.stem else []
 with open(to.parent / "order.txt", "a") as f:
@@ -185,9 +187,10 @@ def test_every_notebook_is_stored_per_card_and_the_timed_ones_run_alone(tmp_path
     monkeypatch.setattr(kit, "NOTEBOOK_GRACE_S", 0.5)
     monkeypatch.setattr(kit, "NOTEBOOK_MIN_S", 0.5)
     began = time.monotonic()
+    # 20 s: room for four runners' Pythons to start on a loaded machine (6 s was too little at a load of 2)
     assert kit.gpu_check(["--skip", "bench", "--skip", "tests", "--workers", "3", "--budget",
-                          f"{time.monotonic() - kit.STARTED + 6:.1f}"]) == 1
-    assert time.monotonic() - began < 30           # the hanging notebook would take 60 s
+                          f"{time.monotonic() - kit.STARTED + 20:.1f}"]) == 1
+    assert time.monotonic() - began < 60           # the hanging notebook would take 180 s
     stored = tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3"
     assert sorted(p.name for p in stored.glob("*.ipynb")) == ["00_quick.ipynb", "01_fails.ipynb", "02_timed.ipynb",
                                                               "03_hangs.ipynb"]
