@@ -24,6 +24,7 @@ import torch
 from results import write_csv
 
 from gpukit.estimate import predict
+from gpukit.step import own_checkpointing_methods
 
 MiB = 2**20
 GOAL_PCT = 3.0  # the error each configuration should stay within
@@ -42,6 +43,15 @@ HF_SINGLE_GPU = (
 # 2 MiB segment the caching allocator reserved for the 1x1 tensor, which the training runs reuse: the context
 # alone is 1343 - 2 = 1341 MiB, and the runs' reserved memory is added to it.
 HF_CONTEXT_MIB = 1343 - 2
+
+
+def checkpoint_layers(model: torch.nn.Module, **options) -> None:
+    """A transformers model's own checkpointing turned on, under the name the installed transformers gives it
+    (``activation_checkpointing_enable`` from 5.24, ``gradient_checkpointing_enable`` before: gpukit allows
+    5.0 on), with ``options`` for ``torch.utils.checkpoint.checkpoint``."""
+    enable, _, kwargs, _ = own_checkpointing_methods(model)
+    getattr(model, enable)(**({kwargs: options} if options else {}))
+
 
 # -- bert-large-uncased, random weights ------------------------------------------------------------------------
 
@@ -68,7 +78,7 @@ def bert_classifier(config=None, checkpointing: bool = False) -> Callable[[], to
     def make_model():
         model = BertForSequenceClassification._from_config(config or bert_large_config(), attn_implementation="eager")
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+            checkpoint_layers(model, use_reentrant=True)
         return model.train()
 
     return make_model
@@ -261,7 +271,7 @@ def dinov2_giant(checkpointing: bool = True) -> Callable[[], torch.nn.Module]:
     def make_model():
         model = Dinov2ForImageClassification._from_config(config)
         if checkpointing:
-            model.activation_checkpointing_enable()
+            checkpoint_layers(model)
         return model.bfloat16().train()
 
     return make_model
