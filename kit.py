@@ -6,7 +6,7 @@
     python3 kit.py bench    create/update .venv, then run the benchmarks in bench/
     python3 kit.py setup    only create/update .venv
     python3 kit.py outputs  run the notebooks on the CPU and store them with their outputs (all, or those named)
-    python3 kit.py gpu-check   on a GPU machine, within a time budget (--budget, 450 s): the exactness benchmark,
+    python3 kit.py gpu-check   on a GPU machine, within a time budget (--budget, 540 s): the exactness benchmark,
                                the technique matrix recorded in data/runs/, every notebook run on the card and
                                stored in data/runs/<gpu>/, the tests on CUDA, a report of what differed, and with
                                --out DIR all of it packed into DIR/gpu-check.tar.gz
@@ -469,7 +469,7 @@ print(json.dumps(info))
 # A lent GPU machine runs one command for at most 10 minutes, and a task has 15 minutes of it, its start included: the
 # check fits in BUDGET_S from kit.py's start, set-up included, every stage with a deadline of its own. What comes back
 # from it is at most 8 files of 16 MiB each: the check packs everything it wrote into one.
-BUDGET_S = 450
+BUDGET_S = 540
 PACK_BYTES = 16 * 2**20
 STARTED, STARTED_WALL = time.monotonic(), time.time()
 NOTEBOOK_WORKERS = 8      # as in the notebooks' first GPU run (data/runs/notebooks-on-gpus.txt)
@@ -523,14 +523,30 @@ def run_until(cmd: list, deadline: float, log: Path, env: dict[str, str] | None 
     return wait_until(start(cmd, log, env), deadline, grace)
 
 
-def reads_the_clock(notebook: Path) -> bool:
-    """Whether a notebook times something on this machine: it then runs alone, so that no other notebook's work
-    shares the GPU and the cores while it measures."""
+def _code(notebook: Path) -> str:
     import json
 
     cells = json.loads(notebook.read_text())["cells"]
-    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    return bool(re.search(r"\bperf_counter\b|\btime\.time\(|\bmonotonic\(|\btimeit\b", code))
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def reads_the_clock(notebook: Path) -> bool:
+    """Whether a notebook times something on this machine: it then runs alone, so that no other notebook's work
+    shares the GPU and the cores while it measures."""
+    return bool(re.search(r"\bperf_counter\b|\btime\.time\(|\bmonotonic\(|\btimeit\b", _code(notebook)))
+
+
+def fills_the_card(notebook: Path) -> bool:
+    """Whether a notebook runs out of the card's memory on purpose (it catches ``OutOfMemoryError``): it then runs
+    alone. Beside it, the others' requests fail instead (on an H200, 2026-11-27, notebook 08's step too big for the
+    card left 85 MiB free, and notebooks 00, 02 and 07 ran out of memory)."""
+    return "OutOfMemoryError" in _code(notebook)
+
+
+def why_alone(notebook: Path) -> str | None:
+    """Why a notebook runs alone on the card, or None when it can share it."""
+    return "they time steps" if reads_the_clock(notebook) else "they fill the card" if fills_the_card(notebook) \
+        else None
 
 
 def run_notebooks(notebooks: list[Path], workers: int, deadline: float, to: Path, logs: Path, card: str,
@@ -586,11 +602,14 @@ def _run_notebooks(pending: list[Path], running: dict, results: list[dict], work
     return results
 
 
-def notebook_lines(results: list[dict], alone: set[str], stored: Path) -> list[str]:
+def notebook_lines(results: list[dict], alone: dict[str, str], stored: Path) -> list[str]:
+    """The report's lines on the notebooks; ``alone`` maps those that ran alone to why (``why_alone``)."""
     done = [r for r in results if not r["failed"] and not r["cut"]]
+    reasons = sorted(set(alone.values()))
     lines = [f"notebooks: {len(done)} of {len(results)} ran to the end with no failing cell, stored with their outputs "
              f"in {stored.relative_to(ROOT)}/"
-             + (f" ({', '.join(sorted(alone))} alone: they time steps)" if alone else "")]
+             + (" (" + "; ".join(f"{', '.join(sorted(n for n, w in alone.items() if w == why))} alone: {why}"
+                                 for why in reasons) + ")" if alone else "")]
     for r in sorted(results, key=lambda r: r["notebook"]):
         took = f" ({r['seconds']:.0f} s)" if r.get("seconds") is not None else ""
         if r["cut"]:
@@ -729,7 +748,7 @@ def gpu_check(args: list[str]) -> int:
         # 1. The exactness benchmark (CUDA: the meter against the allocator's own trace) and the technique matrix,
         # alone on the machine: the matrix times steps.
         if "bench" not in opts.skip:
-            began = time.monotonic()
+            began, began_wall = time.monotonic(), time.time()   # files' times are the wall clock's
             print(f"== benchmarks: exactness, techniques --record ({min(150.0, 0.35 * left()):.0f} s at most)",
                   flush=True)
             code = run_until([VENV_PY, ROOT / "bench" / "run.py", "exactness", "techniques", "--record"],
@@ -743,32 +762,32 @@ def gpu_check(args: list[str]) -> int:
                              "matrix is in data/runs/")
                 problems += ["bench"] if code != 0 else []
             exact = out / "exactness.csv"
-            if exact.exists() and exact.stat().st_mtime >= began - 1:
+            if exact.exists() and exact.stat().st_mtime >= began_wall - 1:
                 with open(exact) as f:
                     for row in csv.DictReader(f):
                         if row.get("within_0.1%") != "True":
                             lines.append(f"  exactness off: {row['setup']} on {row['device']}: {row['meter_bytes']} "
                                          f"B against {row['reference_bytes']} B ({row['reference']})")
-            recorded = [p.name for p in written_since(began, [ROOT / "data" / "runs"]) if p.suffix == ".csv"]
+            recorded = [p.name for p in written_since(began_wall, [ROOT / "data" / "runs"]) if p.suffix == ".csv"]
             if code == 0 and recorded:
                 # The run just recorded, replayed: each row predicted for this card beside its measurement (CPU work
                 # on fake tensors, so it runs beside the notebooks that do not time anything).
                 compare = start([VENV_PY, ROOT / "bench" / "run.py", "recorded_runs"], logs / "recorded_runs.log")
                 compare_began = time.time()
 
-        # 2. Every notebook on the card, stored with its outputs. Those that time steps run alone, one at a time,
-        # after the others; the others get a share of the time that leaves the lone ones theirs.
+        # 2. Every notebook on the card, stored with its outputs. Those that time steps or fill the card run alone,
+        # one at a time, after the others; the others get a share of the time that leaves the lone ones theirs.
         stage = "notebooks"
         if "notebooks" not in opts.skip:
             wanted = [p.strip() for p in opts.notebooks.split(",") if p.strip()]
             notebooks = [nb for nb in sorted((ROOT / "notebooks").glob("*.ipynb"))
                          if not wanted or any(nb.name.startswith(w) for w in wanted)]
-            alone = [nb for nb in notebooks if reads_the_clock(nb)]
+            alone = [nb for nb in notebooks if why_alone(nb)]
             together = [nb for nb in notebooks if nb not in alone]
             stored.mkdir(parents=True, exist_ok=True)
             began = time.monotonic()
-            deadline = began + min(330.0, 0.85 * left())
-            share = (deadline - began) * (0.6 if alone else 1.0) - (NOTEBOOK_GRACE_S if alone else 0)
+            deadline = began + min(420.0, 0.85 * left())
+            share = (deadline - began) * (0.4 if alone else 1.0) - (NOTEBOOK_GRACE_S if alone else 0)
             print(f"== notebooks: {len(together)}, {opts.workers} at a time ({share:.0f} s at most), then "
                   f"{len(alone)} alone (until {deadline - began:.0f} s)", flush=True)
             results = run_notebooks(together, opts.workers, began + share, stored, logs, card, info["torch"])
@@ -776,7 +795,7 @@ def gpu_check(args: list[str]) -> int:
                 lines += compared(began + share)
                 compare = None
             results += run_notebooks(alone, 1, deadline, stored, logs, card, info["torch"])
-            summary = notebook_lines(results, {nb.stem for nb in alone}, stored)
+            summary = notebook_lines(results, {nb.stem: why_alone(nb) for nb in alone}, stored)
             summary[0] += f"; {time.monotonic() - began:.0f} s"
             lines += summary
             (stored / "notebooks.json").write_text(json.dumps(results, indent=1) + "\n")

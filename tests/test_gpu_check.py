@@ -82,7 +82,12 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
         Path(junit).write_text('<testsuites><testsuite><testcase classname="c" name="ok"/></testsuite></testsuites>')
         return 0
 
-    # The replay of the recorded runs (bench recorded_runs): one row of this card's run off, one of an older run.
+    # The replay of the recorded runs (bench recorded_runs): one row of this card's run off, one of an older run,
+    # whose file (first by name) was written before the check: the report is about the run the check recorded.
+    older = tmp_path / "data" / "runs" / "a-older.csv"
+    older.parent.mkdir(parents=True)
+    older.write_text("model,technique,peak_bytes\n")
+    os.utime(older, (time.time() - 3600, time.time() - 3600))
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "run.py").write_text(
         "import sys\nassert sys.argv[1:] == ['recorded_runs']\nopen('bench/out/recorded_runs.csv', 'w').write("
@@ -90,7 +95,7 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
         "'nvidia-h100-80gb-hbm3.csv,deep mlp,baseline,-0.1,0.0,ok\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,ok\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,tiny gpt,AMP fp16,,,not predicted: RuntimeError: no\\n'\n"
-        "'older.csv,deep mlp,AMP fp16,-3.0,0.0,ok\\n')\n")
+        "'a-older.csv,deep mlp,AMP fp16,-3.0,0.0,ok\\n')\n")
     monkeypatch.setattr(kit, "run_until", fake_run_until)
     assert kit.gpu_check(["--skip", "notebooks", "--budget", "600"]) == 1
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
@@ -106,7 +111,7 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
         "state (bench/out/recorded_runs.csv)" in report
     assert "prediction off: deep mlp, checkpointing: peak -5.40%, state +0.20%" in report
     assert "prediction off: tiny gpt, AMP fp16: not predicted: RuntimeError: no" in report
-    assert "older.csv" not in report and "deep mlp, AMP fp16" not in report
+    assert "a-older.csv" not in report and "deep mlp, AMP fp16" not in report
     # The CUDA tests first, then the others without them, each with xdist.
     cuda, other = (c for c in ran if "pytest" in c)
     assert cuda[-1] == "tests/test_cuda_thing.py" and "--ignore=tests/test_cuda_thing.py" in other
@@ -170,10 +175,11 @@ def notebook(path: Path, code: str) -> Path:
     return path
 
 
-def test_every_notebook_is_stored_per_card_and_the_timed_ones_run_alone(tmp_path, monkeypatch):
+def test_every_notebook_is_stored_per_card_and_the_timed_ones_and_the_card_fillers_run_alone(tmp_path, monkeypatch):
     # The notebook runner stood in (tests/notebooks_on_card.py runs a real kernel): each notebook is stored in
-    # data/runs/<card>/, the failed cells are listed, a notebook that reads the clock runs after the others, alone,
-    # and one that hangs past the deadline is killed and reported, never waited for.
+    # data/runs/<card>/, the failed cells are listed, a notebook that reads the clock or runs out of the card's
+    # memory on purpose runs after the others, alone, and one that hangs past the deadline is killed and reported,
+    # never waited for.
     kit = load_kit()
     on_a_stand_in_gpu(kit, tmp_path, monkeypatch)
     (tmp_path / "tests" / "notebooks_on_card.py").write_text(FAKE_RUNNER)
@@ -183,6 +189,7 @@ def test_every_notebook_is_stored_per_card_and_the_timed_ones_run_alone(tmp_path
     notebook(books / "01_fails.ipynb", "assert x")
     notebook(books / "02_timed.ipynb", "t0 = time.perf_counter()")
     notebook(books / "03_hangs.ipynb", "while True: pass")
+    notebook(books / "04_fills.ipynb", "try:\n    step()\nexcept torch.OutOfMemoryError:\n    pass")
     monkeypatch.setattr(kit, "test_environment", lambda: dict(os.environ))
     monkeypatch.setattr(kit, "NOTEBOOK_GRACE_S", 0.5)
     monkeypatch.setattr(kit, "NOTEBOOK_MIN_S", 0.5)
@@ -193,18 +200,22 @@ def test_every_notebook_is_stored_per_card_and_the_timed_ones_run_alone(tmp_path
     assert time.monotonic() - began < 60           # the hanging notebook would take 180 s
     stored = tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3"
     assert sorted(p.name for p in stored.glob("*.ipynb")) == ["00_quick.ipynb", "01_fails.ipynb", "02_timed.ipynb",
-                                                              "03_hangs.ipynb"]
+                                                              "03_hangs.ipynb", "04_fills.ipynb"]
     assert json.loads((stored / "00_quick.ipynb").read_text())["card"] == "NVIDIA H100 80GB HBM3"
     events = [line.split() for line in (stored.parent / "order.txt").read_text().splitlines()]
-    timed_start = next(float(t) for what, nb, t in events if what == "start" and nb == "02_timed")
-    assert all(float(t) <= timed_start for what, nb, t in events if what == "end" and nb != "02_timed")
+    alone = {"02_timed", "04_fills"}
+    starts = {nb: float(t) for what, nb, t in events if what == "start"}
+    ends = {nb: float(t) for what, nb, t in events if what == "end"}
+    beside = [(one, nb) for one in alone for nb in starts if nb != one   # a killed one has no end: it ended first
+              and not (ends.get(nb, starts[one]) <= starts[one] or starts[nb] >= ends[one])]
+    assert beside == [] and starts["02_timed"] > starts["03_hangs"]
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
-    assert "notebooks: 2 of 4 ran to the end with no failing cell" in report
-    assert "(02_timed alone: they time steps)" in report
+    assert "notebooks: 3 of 5 ran to the end with no failing cell" in report
+    assert "(04_fills alone: they fill the card; 02_timed alone: they time steps)" in report
     assert "failure: 01_fails: cell 4: AssertionError: only on the card" in report
     assert "cut: 03_hangs: killed past the deadline" in report
     assert [r["notebook"] for r in json.loads((stored / "notebooks.json").read_text())] == \
-        ["00_quick", "01_fails", "03_hangs", "02_timed"]
+        ["00_quick", "01_fails", "03_hangs", "02_timed", "04_fills"]
 
 
 def test_a_notebook_that_cannot_start_in_time_is_reported_not_run(tmp_path, monkeypatch):
