@@ -39,6 +39,19 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   takes bfloat16 below sm80), or any card with an attention mask whose head dimension misses the
   alignment.
 
+* Dropout (aten/src/ATen/native/Dropout.cpp): ``at::dropout`` in training takes the fused kernel,
+  ``native_dropout``, where ``is_fused_kernel_acceptable`` holds: a CUDA input, ``0 < p < 1``, at least one element.
+  Its CUDA kernel (aten/src/ATen/native/cuda/Dropout.cu, ``native_dropout_cuda``, ``dropout_cuda<bool>``) makes the
+  output and a bool mask, and backward keeps the mask alone, the scale 1 / (1 - p) being a number
+  (tools/autograd/derivatives.yaml: ``native_dropout_backward(grad, result1, scale)``). On a CPU tensor the same call
+  draws a noise tensor of the input's dtype, scales it and multiplies, and the product keeps the noise: 4 bytes an
+  element in float32 where CUDA keeps 1. The rule runs ``F.dropout`` and ``torch.dropout`` of the tensors that
+  stand for the GPU as ``native_dropout`` (whose CPU kernel and fake one also make a bool mask; the same values:
+  the kept elements scaled by 1 / (1 - p)). In-place dropout (``dropout_``), feature dropout (``dropout1d/2d/3d``)
+  and alpha dropout never take the fused kernel and run as they are; so does the dropout inside the math attention
+  composite (called from C++, out of a torch-function mode's reach): there CUDA keeps a bool mask and the
+  prediction the noise tensor, in the attention's dtype.
+
 * cuDNN's workspaces cannot be predicted from source: a convolution's is the one of the algorithm cuDNN
   picks at run time (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``benchmark`` or heuristics, limited by
   the free memory), and the RNN kernels' workspace and reserve replace the CPU kernel's
@@ -178,9 +191,10 @@ _LOWER = (torch.float16, torch.bfloat16)
 class CudaRules(TorchDispatchMode):
     """Applies the CUDA rules above to a fake CPU step; enter it inside the fake mode (above the kernel check)."""
 
-    def __init__(self, capability: tuple[int, int] = SM90) -> None:
+    def __init__(self, capability: tuple[int, int] = SM90, gpu: str | None = None) -> None:
         super().__init__()
         self.capability = tuple(capability)  # the card's compute capability: the attention kernels it has
+        self.gpu = gpu  # the device type of the tensors that stand for the GPU; None: every tensor of the step
         self.gemm: set[str] = set()     # threads ("forward", "backward") whose matrix products took a cuBLAS handle
         self.gemm_lt: set[str] = set()  # and those that ran a cuBLASLt one (addmm)
         self.sdpa: dict[str, int] = {}  # backend -> calls
@@ -208,6 +222,12 @@ class CudaRules(TorchDispatchMode):
         cls.__enter__, cls.__exit__ = entered, exited
         self._math = _MathAttention(self.capability, self.sdpa)  # no cycle back: the rules die with the step
         self._math.__enter__()
+        self._dropout = _FusedDropout(self.gpu)
+        try:
+            self._dropout.__enter__()
+        except BaseException:
+            self._math.__exit__(None, None, None)
+            raise
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -216,7 +236,10 @@ class CudaRules(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            self._math.__exit__(*exc)
+            try:
+                self._dropout.__exit__(*exc)
+            finally:
+                self._math.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -347,5 +370,79 @@ class _MathAttention(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
+# The functions as torch defines them, which a torch-function mode is handed (F.dropout hands on the name its module
+# has for it at the call: the stand-in below while the rule is open).
+DROPOUT = torch.nn.functional.dropout
+TORCH_DROPOUT = torch.dropout
+
+
+def takes_fused_dropout(input: torch.Tensor, p: float, training: bool, inplace: bool = False) -> bool:
+    """Whether ``F.dropout(input, p, training, inplace)`` on a CUDA tensor runs the fused ``native_dropout``:
+    ``at::dropout`` in training with ``is_fused_kernel_acceptable`` (0 < p < 1, at least one element; Dropout.cpp),
+    not in place (``at::dropout_`` never takes it), of a floating-point input (the CUDA kernel's dtypes, Dropout.cu:
+    floating types, half and bfloat16; others fail on either path, and are left to fail as the CPU's)."""
+    return (bool(training) and not inplace and isinstance(input, torch.Tensor) and input.is_floating_point()
+            and isinstance(p, (int, float)) and 0 < p < 1 and input.numel() > 0)
+
+
+class _FusedDropout(TorchFunctionMode):
+    """Runs ``F.dropout`` and ``torch.dropout`` in training as CUDA's fused kernel, ``native_dropout``, where CUDA
+    takes it (``takes_fused_dropout``) for a tensor that stands for the GPU (of device type ``gpu``; any, for None):
+    its mask, kept for backward, is a bool tensor, where the CPU's composite keeps a noise tensor of the input's
+    dtype. Other calls go on unchanged."""
+
+    def __init__(self, gpu: str | None = None) -> None:
+        super().__init__()
+        self.gpu = gpu
+
+    # As for attention (_MathAttention): a checkpoint recomputes its forward inside backward, where the mode is off;
+    # torch.nn.functional's and torch's names for dropout go through the rule while it is open, so the recomputed
+    # forward keeps the mask the first one kept (torch.utils.checkpoint refuses saved tensors of another dtype).
+    def __enter__(self):
+        self._named = F.dropout, torch.dropout
+        named_f, named_torch = self._named
+
+        @functools.wraps(DROPOUT)
+        def dropout(input, p=0.5, training=True, inplace=False):
+            return self.apply(named_f, input, p, training, inplace)
+
+        @functools.wraps(TORCH_DROPOUT)
+        def torch_dropout(input, p, train):
+            return self.apply(lambda x, q, t, _: named_torch(x, q, t), input, p, train, False)
+
+        self._stand_ins = dropout, torch_dropout
+        F.dropout, torch.dropout = dropout, torch_dropout
+        try:
+            return super().__enter__()
+        except BaseException:
+            F.dropout, torch.dropout = self._named
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            F.dropout, torch.dropout = self._named
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is DROPOUT or func is self._stand_ins[0]:
+            given = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
+            return self.apply(self._named[0], given["input"], given.get("p", 0.5), given.get("training", True),
+                              given.get("inplace", False))
+        if func is TORCH_DROPOUT or func is self._stand_ins[1]:
+            given = dict(zip(("input", "p", "train"), args)) | kwargs
+            return self.apply(lambda x, q, t, _: self._named[1](x, q, t), given["input"], given["p"], given["train"],
+                              False)
+        return func(*args, **kwargs)
+
+    def apply(self, otherwise, input, p, training, inplace):
+        """Dropout of ``input`` as the card runs it: ``native_dropout``'s output where CUDA takes the fused kernel,
+        else ``otherwise(input, p, training, inplace)``."""
+        if takes_fused_dropout(input, p, training, inplace) and (self.gpu is None or input.device.type == self.gpu):
+            return torch.ops.aten.native_dropout(input, float(p), True)[0]
+        return otherwise(input, p, training, inplace)
+
+
 __all__ = ["CudaRules", "TORCH_RULES_VERSION", "cublas_workspace_bytes", "cublaslt_workspace_bytes",
-           "use_cuda_optimizer_defaults", "sdpa_backend"]
+           "use_cuda_optimizer_defaults", "sdpa_backend", "takes_fused_dropout"]

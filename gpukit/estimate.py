@@ -172,7 +172,7 @@ def predict(make_model: Callable[[], nn.Module],
         modules_depth: depth of the per-module table (1: the model's children).
         device: "cpu" (the default), or "cuda" to apply what a CUDA run (PyTorch 2.11, Hopper GPU unless ``card``
             names another) allocates differently: foreach optimizers by default, cuBLAS workspaces, the attention
-            kernel chosen (gpukit.cudarules).
+            kernel chosen, dropout's fused kernel and its 1-byte mask (gpukit.cudarules).
         card: the GPU the run is for, a ``gpukit.cards.Card`` or its name ("t4", "A100 80GB"...): implies
             ``device="cuda"`` and picks the attention kernels its compute capability has (a T4 has no fused
             kernel for bfloat16: the math fallback, with its attention matrix, is counted).

@@ -285,3 +285,56 @@ def test_a_checkpointed_forward_recomputed_in_backward_takes_the_same_attention_
         batch = lambda: (torch.randint(0, 512, (4, 128)), torch.randint(0, 2, (4,)), dtype)
         p = predict(bert, torch.optim.AdamW, batch, step, card="t4", breakdown=False)
         assert p.attention_kernels == {kernel: 8}  # 2 layers, forward and recompute, warm-up step and step
+
+
+def test_dropout_in_training_keeps_the_fused_kernels_one_byte_mask_on_a_card():
+    """Device: cpu, predicting a T4 against the CPU's own rules. On a CUDA tensor F.dropout in training with 0 < p < 1
+    takes the fused native_dropout (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable), whose backward
+    keeps a bool mask (Dropout.cu; derivatives.yaml: native_dropout_backward(grad, result1, scale)); on a CPU tensor it
+    keeps a noise tensor of the input's dtype. Here the 4096 x 4096 float32 output of the Linear is dropped out and
+    the mask is live at the step's peak: the T4's peak is 4096 x 4096 x (4 - 1) bytes (48 MiB) below the CPU's, its
+    workspaces aside. Without dropout (p = 0, no kernel on either device) the two are the same to the byte."""
+    n = 4096
+    sgd = lambda q: torch.optim.SGD(q, lr=0.1)  # plain SGD: CUDA's foreach step makes no temporaries either
+    batch = lambda: (torch.randn(n, n), torch.randint(0, n, (n,)))
+    for p, fewer in ((0.1, n * n * (4 - 1)), (0.0, 0)):
+        model = lambda: nn.Sequential(nn.Linear(n, n), nn.Dropout(p))
+        t4 = predict(model, sgd, batch, card="t4", breakdown=False)
+        cpu = predict(model, sgd, batch, device="cpu", breakdown=False)
+        assert cpu.peak - (t4.peak - t4.workspaces) == fewer, p
+
+
+def test_the_dropout_rule_keeps_the_values_and_leaves_other_dropouts_and_the_cpu_as_they_are():
+    """Device: cpu (real tensors). Under the rules F.dropout, nn.Dropout and torch.dropout in training are
+    native_dropout: a bool mask kept for backward, the kept elements scaled by 1 / (1 - p), the gradient the mask
+    times the scale. In-place, feature (Dropout2d) and alpha dropout take no fused kernel on CUDA and are the CPU's
+    composites; so is p = 1, and eval mode and p = 0 return the input. With a device named for the GPU (meta, as the
+    simulated GPU of predict_offload), the CPU's tensors (the host's) keep the CPU's dropout. Outside the rules the
+    names are torch's again."""
+    from gpukit.cudarules import CudaRules
+
+    functional, torch_dropout = nn.functional.dropout, torch.dropout
+    x = torch.ones(10_000, requires_grad=True)
+    with CudaRules():
+        outs = [nn.functional.dropout(x, 0.25), nn.Dropout(0.25)(x), torch.dropout(x, 0.25, True)]
+        composite = [nn.Dropout(0.25, inplace=True)(x.clone()), nn.Dropout2d(0.25)(torch.ones(4, 8, 3, 3) * x[0]),
+                     nn.AlphaDropout(0.25)(x), nn.functional.dropout(x, 1.0)]
+        same = [nn.functional.dropout(x, 0.25, training=False), nn.functional.dropout(x, 0.0)]
+    for y in outs:
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+        assert y.grad_fn._saved_result1.dtype == torch.bool
+        assert torch.equal(y.unique(), torch.tensor([0.0, 1 / 0.75]))
+        assert 0.2 < (y == 0).float().mean() < 0.3
+        x.grad = None
+        y.sum().backward()
+        assert torch.equal(x.grad, y.detach())  # d(sum)/dx: the mask times the scale
+    assert [type(y.grad_fn).__name__ for y in composite] == ["MulBackward0", "MulBackward0", "AddBackward0",
+                                                             "MulBackward0"]
+    assert all(y is x for y in same)
+    with CudaRules(gpu="meta"):
+        on_host = nn.functional.dropout(x, 0.25)
+        on_gpu = nn.functional.dropout(torch.ones(8, device="meta", requires_grad=True), 0.25)
+    assert type(on_host.grad_fn).__name__ == "MulBackward0" and on_host.grad_fn._saved_other.dtype == torch.float32
+    assert type(on_gpu.grad_fn).__name__ == "NativeDropoutBackward0"
+    assert nn.functional.dropout is functional and torch.dropout is torch_dropout
+    assert type(nn.functional.dropout(x, 0.25).grad_fn).__name__ == "MulBackward0"  # the CPU's own, outside
