@@ -21,7 +21,8 @@ tells the two apart by the device each tensor shows (``gpukit.counter.FAKE_LEDGE
 CUDA allocator does; ``gpukit.copies`` counts what crosses. Nothing is allocated and no copy happens, so it
 predicts bytes, not time. The GPU side follows CUDA's code paths as ``predict(device="cuda")`` does
 (``gpukit.cudarules``, for the card named or a Hopper GPU): an optimizer left to choose gets the foreach
-implementation; the first matrix product of forward and of backward each allocate a cuBLAS workspace; and the
+implementation; the first matrix product of forward and of backward each allocate a cuBLAS workspace; dropout in
+training keeps the fused kernel's bool mask (the host's tensors keep the CPU's noise tensor); and the
 attention kernel is the card's. On ``meta`` PyTorch itself would always take the math composite
 (``_fused_sdp_choice_meta``, aten/src/ATen/native/transformers/attention.cpp: the fused choice only for a tensor
 with the CUDA key), which keeps the attention matrix a GPU's fused kernels do not; so where the card has a fused
@@ -53,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, follow
 from .amp import CardAmp
-from .cudarules import SDPA, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
+from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
 from .report import format_bytes, html_table
@@ -352,7 +353,8 @@ def predict_offload(make_model: Callable[[], nn.Module],
         from .cards import Card, card as card_named
 
         card = card if isinstance(card, Card) else card_named(card)
-    rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
+    # the rules' dropout (the fused kernel's bool mask) is for the GPU's tensors; the host's run the CPU's
+    rules = CudaRules(card.compute_capability if card is not None else SM90, gpu=SIMULATED_DEVICE)
     FAKE_LEDGER.settle()
     t0 = time.perf_counter()
     # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
@@ -402,7 +404,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
             for tally in reversed(kept):
                 FAKE_LEDGER.stop(tally)
             if model is not None:
-                _drop_parameter_hooks(model)
+                pass
         del model, optimizer, batch
         collect_young()
     device, host, both = on_step

@@ -584,7 +584,7 @@ def _card_rules(capability, device: _CardDevice):
                 return out
 
         _RULES_CLASS = _PlacingRules
-    rules = _RULES_CLASS(capability)
+    rules = _RULES_CLASS(capability, gpu=device.only)  # the GPU's side alone where the CPU is the host
     rules.device, rules.placed = device, collections.Counter()
     device.workspaces = []
     return rules
@@ -597,8 +597,9 @@ def on_card(cuda: Any = None, gpu: Any = "cpu"):
     On a GPU (``cuda`` is ``torch.cuda``) the block runs as written, for real. With a ``SimulatedCuda`` it runs on
     fake tensors (``FakeTensorMode``: shapes and dtypes, no values, no memory), every allocation placed on the
     simulated card under CUDA's rules for it (``gpukit.cudarules``: the attention kernel the card has, foreach
-    optimizers, cuBLAS workspaces), so ``cuda.max_memory_allocated()`` afterwards reads what the card would, and an
-    allocation the card cannot hold raises CUDA's out-of-memory error, marked as simulated. Values read from
+    optimizers, cuBLAS workspaces, dropout's fused kernel), so ``cuda.max_memory_allocated()`` afterwards reads
+    what the card would, and an allocation the card cannot hold raises CUDA's out-of-memory error, marked as
+    simulated. Values read from
     tensors inside (``loss.item()``, a GradScaler's check for inf) are made up as a healthy step's (0, no inf) and
     counted in the ``CardRun`` the block gets. Tensors made inside are fake: use them inside.
 

@@ -368,3 +368,24 @@ def test_a_gpu_is_named_as_torch_names_it(monkeypatch):
     assert measured_on(torch.cuda) == "measured on this GPU (Tesla T4)"
     with pytest.raises(TypeError):
         measured_on("cuda")
+
+
+def test_dropout_in_a_card_run_keeps_the_fused_kernels_bool_mask_and_on_the_cpu_the_noise(cuda):
+    """Device: cpu (a simulated T4: a block of fake tensors in on_card, then the same lines on real CPU tensors placed
+    on it). On the card F.dropout in training takes CUDA's fused native_dropout (aten/src/ATen/native/Dropout.cpp,
+    is_fused_kernel_acceptable): its output and a bool mask, kept for backward, 1 byte an element. The CPU runs the
+    composite: its output and a float32 noise tensor, 4 bytes an element. What the call leaves allocated says which."""
+    n = 2**20
+
+    def dropout_leaves():
+        h = torch.randn(n, requires_grad=True)
+        before = cuda.memory_allocated()
+        out = torch.nn.functional.dropout(h, 0.1)
+        grown = cuda.memory_allocated() - before
+        del out
+        return grown
+
+    with on_card(cuda):
+        on_card_run = dropout_leaves()
+    assert on_card_run == n * 4 + n * 1
+    assert dropout_leaves() == n * 4 + n * 4
