@@ -404,7 +404,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
             for tally in reversed(kept):
                 FAKE_LEDGER.stop(tally)
             if model is not None:
-                pass
+                _drop_parameter_hooks(model)
         del model, optimizer, batch
         collect_young()
     device, host, both = on_step
