@@ -51,7 +51,11 @@ def small_plan(budget=BUDGET, **kwargs):
 
 @pytest.fixture(scope="module")
 def only_host_fits():
-    return small_plan()
+    """The plan as a machine without a GPU makes it: its chosen step runs for real on the CPU, with CUDA's streams
+    and pinned memory stood in (on a GPU it runs on the GPU, as seen on an H200 with torch 2.11)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: False)
+        return small_plan()
 
 
 def test_the_host_candidates_are_tried_for_adam_and_adamw_on_one_cuda_gpu_only(monkeypatch):
