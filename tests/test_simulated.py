@@ -348,8 +348,8 @@ def test_the_timeline_plot_draws_the_allocations_it_summarizes(cuda):
     del big, small
 
 
-def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda):
-    """Device: cpu."""
+def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda, monkeypatch):
+    """Device: cpu; torch.cuda answers as on a machine without a GPU (on one it names the GPU: the next test)."""
     claim(2 > 1, "two is more than one")
     assert capsys.readouterr().out == "✓ two is more than one\n"
     with pytest.raises(ClaimFailed, match="one is more than two"):
@@ -357,6 +357,7 @@ def test_claims_print_a_sentence_or_fail_naming_the_claim(capsys, cuda):
     with pytest.raises(TypeError):
         claim(True, 3)
     assert "simulated for an NVIDIA T4 on this CPU" in measured_on(cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "no GPU" in measured_on(torch.cuda)
 
 
