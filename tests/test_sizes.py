@@ -66,6 +66,7 @@ def fake_gpu(monkeypatch, name, total_memory, capability=(8, 0)):
     ("NVIDIA GeForce RTX 4090", 24_080 * 2**20, "t4", None),  # not in gpukit.cards: sized by its memory
 ])
 def test_a_gpu_gets_the_sizes_of_its_memory(monkeypatch, name, total_memory, tier, key):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # first a machine without a GPU (here or not)
     s = lesson_settings("02_no_grad")
     cpu_batch = SIZES["02_no_grad"]["cpu"]["EVAL_BATCH"]
     assert (s.device.type, s.tier, s.card, s.EVAL_BATCH) == ("cpu", "cpu", None, cpu_batch)
