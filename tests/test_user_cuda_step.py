@@ -80,6 +80,15 @@ def no_warnings():
     assert [str(w.message) for w in seen] == []
 
 
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A machine without a GPU, on a GPU machine too: only there does torch disable a ``GradScaler("cuda")`` or a
+    ``torch.autocast("cuda")`` when made (``torch.cuda.amp.common.amp_definitely_not_available()``, which asks
+    ``torch.cuda.is_available()``), and only there does the prediction take a disabled one for that; on a GPU it is
+    the user's ``enabled=False``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def made_without_a_gpu(make):
     """A scaler or autocast made outside the prediction, as a script makes it at its top; torch warns there without
     a GPU (the user's own line, not the prediction's)."""
@@ -169,6 +178,7 @@ def test_a_gradscaler_made_inside_the_step_counts_the_same():
     assert inside.unfollowed == {}  # made inside, with the card there: nothing assumed
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_the_users_scaler_and_model_are_left_as_they_were():
     model = mlp()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -236,6 +246,7 @@ def test_everything_is_put_back_when_the_step_stops_half_way(error):
     assert not torch.is_autocast_enabled("cuda")
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_the_step_as_written_runs_with_its_loss_inside_autocast():
     """The loss under autocast: CUDA sums in float32 (its float32 list) where CPU autocast does not, which
     gpukit.cudarules names: a lower bound, said so."""
@@ -256,6 +267,7 @@ def test_the_step_as_written_runs_with_its_loss_inside_autocast():
     assert "GradScaler('cuda') disabled when made" in p.unfollowed  # enabled=False is not told apart
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_an_autocast_made_before_the_prediction_without_a_gpu_is_named():
     region = made_without_a_gpu(fp16)  # torch disabled it here, for want of a GPU
 
@@ -304,6 +316,7 @@ def test_predict_offload_keeps_the_gradscalers_tensors_on_the_gpu():
     assert scaler_view(scaler) == state
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_gpukits_own_train_step_takes_the_users_cuda_scaler():
     """``gpukit.step.train_step`` asks ``scaler.is_enabled()`` before a float16 step: a ``GradScaler("cuda")``
     that torch disabled where there is no GPU answers as on the card."""
