@@ -489,13 +489,19 @@ def reset_cpu_device(total_memory: int | str = 80 * 1024**3, config: str | Alloc
 
 def use_cpu_device(device: SimulatedDevice, place: bool = True) -> SimulatedDevice:
     """Make ``device`` the simulated GPU behind ``measure()`` on CPU, in place of the one there was; ``place``:
-    the storages the counter already knows are placed on it first (False: only what is made from now on)."""
+    every CPU storage the process holds is placed on it first (False: only what is made from now on). Those made
+    outside any measured block are found first, as a block's start finds them: else the next block's start would
+    place them on the device inside that block, as if the block had allocated them."""
     global _CPU_DEVICE
     from ..counter import LEDGER
 
     if _CPU_DEVICE is not None:
         _CPU_DEVICE.detach()
     _CPU_DEVICE = None
+    if place:
+        with LEDGER._lock:
+            LEDGER.settle()
+            LEDGER.adopt_existing()
     _CPU_DEVICE = device.attach(LEDGER, place=place)
     return device
 
