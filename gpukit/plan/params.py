@@ -249,7 +249,5 @@ def from_deprecated(old: dict[str, Any], card, host: Host | None, techniques: Te
                                              and figures["fp32_tflops"] > 0):
             raise ValueError(f"tflops={figures['fp32_tflops']!r}: the GPU's arithmetic rate in TFLOP/s, a positive "
                              "number")
-        if "memory_bandwidth" in figures:  # the sheet's text follows its figure
-            figures["bandwidth_text"] = f"{figures['memory_bandwidth']:,} B/s"
         card = dataclasses.replace(resolve_card(card, device), **figures)
     return card, host, techniques
