@@ -25,7 +25,8 @@ pytest.importorskip("torchao.optim", reason="torchao is not installed here")
 HOST = "AdamW on the host (torchao CPUOffloadOptimizer)"
 HOST_GRADS = "AdamW on the host, gradients too (torchao CPUOffloadOptimizer)"
 # A model whose AdamW state is what breaks the budget: 3.2 M parameters (12.6 MB in float32), a batch of 8.
-BUDGET = "95MB"  # with no context allowance on an H100's rules: plain AdamW needs 134 MB, torchao's with gradients 92 MB
+# with no context allowance, on an H100's rules: plain AdamW needs 134 MB, torchao's with gradients 92 MB
+BUDGET = "95MB"
 
 
 def make_model():

@@ -165,7 +165,8 @@ def test_the_default_card_is_the_plan_without_a_card():
     default = plan(*CASE, card=DEFAULT_CARD, techniques=techniques, alternatives=0, verify=False)
     assert frame(none) == frame(default)
     assert none.budget == 24 * 10**9 and none.allowance == 2**30
-    assert none.assumptions.startswith("slowdown estimated at 100 TFLOP/s, memory 1862.65 GiB/s, host copies 14.90 GiB/s")
+    assert none.assumptions.startswith("slowdown estimated at 100 TFLOP/s, memory 1862.65 GiB/s, host copies "
+                                       "14.90 GiB/s")
 
 
 def test_the_search_takes_the_same_objects():

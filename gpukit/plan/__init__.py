@@ -194,5 +194,6 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 # from either, ``gpukit.plan.Techniques(...)``, ``gpukit.plan.Host(...)``, ``gpukit.plan.DEFAULT_CARD``.
 plan.Host, plan.Techniques, plan.DEFAULT_CARD = Host, Techniques, DEFAULT_CARD
 
-__all__ = ["plan", "Plan", "Host", "Techniques", "DEFAULT_CARD", "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
+__all__ = ["plan", "Plan", "Host", "Techniques", "DEFAULT_CARD",
+           "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
            "STRATEGIES", "NUMERICS_NAMES", "NEEDS"]

@@ -36,7 +36,8 @@ def _size(owner: str, name: str, value, what: str, *, none: str | None = None, z
     try:
         return parse_bytes(value)
     except ValueError as err:
-        allowed = f"{'0 or ' if zero else ''}bytes or a size such as '12.7GB' or '64 GiB' (B, KB, MB, GB, KiB, MiB, GiB)"
+        allowed = (f"{'0 or ' if zero else ''}bytes or a size such as '12.7GB' or '64 GiB' (B, KB, MB, GB, KiB, "
+                   "MiB, GiB)")
         raise ValueError(f"{owner}({name}={value!r}): {what}: {allowed}{f', or None ({none})' if none else ''}; "
                          f"{err}") from None
 
