@@ -26,7 +26,7 @@ import torch
 from results import write_csv
 
 from gpukit.lessons.models import GPTConfig, TinyGPT
-from gpukit.plan import plan
+from gpukit.plan import Techniques, plan
 
 GPT_1_3B = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=2048)
 BATCH, BUDGET = 8, "24GB"
@@ -40,7 +40,8 @@ def make_batch():
 CASES = {
     # key: (name, plan() keyword arguments); AdamW and its variants (implementations=True, plan()'s default)
     "gpt": ("1 GPU, AdamW and its variants", {}),
-    "gpt4": ("4 GPUs, AdamW and its variants, accumulate 1 or 2", {"gpus": 4, "accumulate": [1, 2]}),
+    "gpt4": ("4 GPUs, AdamW and its variants, accumulate 1 or 2",
+             {"gpus": 4, "techniques": Techniques(accumulate=[1, 2])}),
 }
 
 

@@ -3,10 +3,12 @@
 Every figure is the one the vendor's data sheet prints, with its source (URL, document, the words quoted) in
 ``Card.sources``; a figure the sheet does not print is ``None``, never a guess. Two exceptions say so in their
 sources: the T4's bandwidth is its product page's, and the A10G, AWS's variant of the A10 with no sheet of its own,
-has the A10 sheet's figures. One field is no vendor's: ``torch_total_memory``, what
+has the A10 sheet's figures. Two fields are no vendor's: ``torch_total_memory``, what
 ``torch.cuda.get_device_properties(0).total_memory`` reports, which no data sheet gives and which is filled only
-where a public report is recorded (its source says which). The words quoted in the sources were taken from copies
-of the sheets' tables, not read from the PDFs themselves: check a figure there before relying on its last digit.
+where a public report is recorded (its source says which); and ``context_allowance``, the memory a CUDA process
+holds beyond PyTorch's, None (gpukit's 1 GiB) unless you set it. The words quoted in the sources were taken from
+copies of the sheets' tables, not read from the PDFs themselves: check a figure there before relying on its last
+digit.
 
 Units: ``memory_bytes`` is the sheet's "GB" read as the SI unit (16 GB = 16 * 10**9 bytes): a marketing figure,
 not a capacity to plan against (the physical DRAM is usually a binary size, and what torch reports is less again,
@@ -89,6 +91,10 @@ class Card:
     fp32_tflops: float                    # float32 on CUDA cores (not TF32 tensor cores)
     torch_total_memory: int | None        # torch.cuda.get_device_properties().total_memory, where a report is known
     sources: Mapping[str, str] = field(compare=False, hash=False, repr=False)  # figure field -> "URL (what)"
+    # No data sheet's either: GPU memory a CUDA process holds beyond PyTorch's (its CUDA context, cuBLAS and
+    # cuDNN), bytes; None: gpukit's allowance (``gpukit.allocator.CONTEXT_ALLOWANCE``, 1 GiB). ``gpukit.plan``
+    # adds it to every need; measure yours and set it with ``dataclasses.replace(card, context_allowance=...)``.
+    context_allowance: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))

@@ -191,21 +191,23 @@ def test_a_model_trained_in_backward_is_freed_with_its_optimizer():
 
 
 
-def small_plan(budget, batch=(2, 12), vocab=256, **options):
+def small_plan(budget, batch=(2, 12), vocab=256, techniques=None, **options):
     """By default a batch so small that the model state is the step's peak, as for a big model; accumulation,
     checkpointing and offload left out, so that the techniques of this file are what can make the step fit."""
+    techniques = gpukit.plan.Techniques(accumulate=[1], checkpointing=False, **(techniques or {}))
     return gpukit.plan(lambda: llama(vocab), adamw, lambda: text_batch(*batch, vocab=vocab), budget=budget,
-                       device="cpu", loss="model", accumulate=[1], checkpointing=False, **options)
+                       device="cpu", loss="model", techniques=techniques, **options)
 
 
 KINDS = {  # what the plan may use besides the plain step: only this kind saves memory, or saves the most
-    "AdamW, in backward": dict(precisions=("float32",), lora=False),
-    "AdamW8bit (bitsandbytes)": dict(precisions=("float32",), lora=False),
-    "bf16 weights": dict(precisions=("float32", "bf16 weights"), implementations=False, lora=False),
-    "LoRA": dict(precisions=("float32",), implementations=False),
+    "AdamW, in backward": dict(techniques=dict(precisions=("float32",), lora=False)),
+    "AdamW8bit (bitsandbytes)": dict(techniques=dict(precisions=("float32",), lora=False)),
+    "bf16 weights": dict(techniques=dict(precisions=("float32", "bf16 weights"), implementations=False, lora=False)),
+    "LoRA": dict(techniques=dict(precisions=("float32",), implementations=False)),
     # the logits the largest tensors of the step: 4 x 512 tokens (two chunks of 1,024) of a 2,048-word vocabulary,
     # 16 MiB in float32 where one chunk's are 8
-    "chunked loss": dict(precisions=("float32",), implementations=False, lora=False, batch=(4, 512), vocab=2048),
+    "chunked loss": dict(techniques=dict(precisions=("float32",), implementations=False, lora=False),
+                         batch=(4, 512), vocab=2048),
 }
 
 
@@ -257,7 +259,7 @@ def test_what_the_step_in_backward_cannot_do_is_refused_before_anything_runs():
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="lora="):
-        gpukit.plan(llama, adamw, text_batch, device="cpu", loss="model", lora="yes")
+        gpukit.plan(llama, adamw, text_batch, device="cpu", loss="model", techniques=gpukit.plan.Techniques(lora="yes"))
 
 
 def test_predictions_in_two_threads_at_once_leave_torch_as_it_was():

@@ -10,7 +10,7 @@ import gpukit
 from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch, digits_batch
 from gpukit.lessons.models import MLP, GPTConfig, TinyGPT
-from gpukit.plan import Candidate, plan
+from gpukit.plan import Candidate, Techniques, plan
 from gpukit.plan.search import PlanSearch
 from gpukit.plan.steps import step_for
 from gpukit.step import Technique, train_step
@@ -38,8 +38,8 @@ def plain_peak(case) -> int:
 def mlp_plan():
     case = mlp_case()
     limit = int(plain_peak(case) * 0.85)  # the plain step does not fit; techniques must make room
-    return case, limit, plan(*case, budget=limit, device=DEVICE, precisions=("float32", "bf16"),
-                             accumulate=[1, 2, 4], implementations=False, alternatives=3, verify=False)
+    techniques = Techniques(precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False)
+    return case, limit, plan(*case, budget=limit, device=DEVICE, techniques=techniques, alternatives=3, verify=False)
 
 
 def test_every_verdict_is_confirmed_by_a_real_step_under_budget(mlp_plan):
@@ -70,13 +70,9 @@ def test_the_plain_step_does_not_fit_and_the_choice_does(mlp_plan):
 def test_pruning_never_drops_the_true_cheapest():
     for case, fraction in ((gpt_case(), 0.9),):
         limit = int(plain_peak(case) * fraction)
-        kwargs = dict(device=DEVICE, precisions=("float32", "bf16"), accumulate=[1, 4], implementations=False,
-                      alternatives=0, verify=False)
-        p = plan(*case, budget=limit, **kwargs)
-        search = PlanSearch(*case, limit, gpus=1, optimizers=None, implementations=False,
-                            precisions=("float32", "bf16"), accumulate=[1, 4], checkpointing=True, offload=True,
-                            strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
-                            host_bandwidth=16e9, alternatives=0, device=DEVICE)
+        techniques = Techniques(precisions=("float32", "bf16"), accumulate=[1, 4], implementations=False)
+        p = plan(*case, budget=limit, device=DEVICE, techniques=techniques, alternatives=0, verify=False)
+        search = PlanSearch(*case, limit, device=DEVICE, techniques=techniques)
         every = [search.evaluate(c) for c in search.candidates()]  # exhaustive: each candidate predicted
         fitting = [r for r in every if r.fits]
         assert fitting and len(fitting) < len(every)
@@ -89,10 +85,8 @@ def test_pruning_never_drops_the_true_cheapest():
                                                                 ("fp16", 1, True)])
 def test_a_recipe_gives_the_plain_gradients_within_its_stated_tolerance(precision, accumulate, checkpointed):
     make_model, make_opt, make_batch = gpt_case()
-    search = PlanSearch(make_model, make_opt, make_batch, 10**12, gpus=1, optimizers=None, implementations=False,
-                        precisions=(precision,), accumulate=None, checkpointing=True, offload=False,
-                        strategies=("single GPU",), allowance=0, tflops=100e12, memory_bandwidth=2e12,
-                        host_bandwidth=16e9, alternatives=0, device=DEVICE)
+    search = PlanSearch(make_model, make_opt, make_batch, 10**12, device=DEVICE,
+                        techniques=Techniques(implementations=False, precisions=(precision,), offload=False))
     c = Candidate(next(iter(search.optimizers)), precision, accumulate, checkpointed)
     tolerance = search.numerics(c)[2]
     assert tolerance is not None
@@ -120,8 +114,8 @@ def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan, gpu_here, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_here)
     # Adam asks a CUDA build whether a graph is being captured when torch sees a GPU; no graph is, as on a GPU.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    p = plan(*case, budget=limit, device=DEVICE, precisions=("float32",), accumulate=[1, 2], implementations=False,
-             alternatives=0)
+    p = plan(*case, budget=limit, device=DEVICE, alternatives=0,
+             techniques=Techniques(precisions=("float32",), accumulate=[1, 2], implementations=False))
     v = p.verification
     assert v.ran and v.fitted and v.measured_peak == p.choice.peak
     assert "fitted" in v.message and p.choice.measured_on == DEVICE
@@ -143,8 +137,9 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
         return model, peak, fake_seconds.get(args[3], 1.0) if timed_steps else None
 
     monkeypatch.setattr(planning, "run_candidate", run_with_a_stand_in_clock)
-    kwargs = dict(budget=limit, precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False,
-                  alternatives=3, lora=False)  # (LoRA trains another model: it would rank after these)
+    techniques = Techniques(precisions=("float32", "bf16"), accumulate=[1, 2, 4], implementations=False,
+                            lora=False)  # (LoRA trains another model: it would rank after these)
+    kwargs = dict(budget=limit, alternatives=3, techniques=techniques)
     estimated = plan(*case, device=DEVICE, verify=False, **kwargs)
     fitting = [r.candidate for r in estimated.rows if r.fits and r.need is not None]  # predicted, not dominated
     assert len(fitting) >= 2 and len({r.numerics for r in estimated.rows if r.candidate in fitting}) == 1
@@ -156,8 +151,8 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
     assert [r.measured_slowdown for r in ranked] == sorted(r.measured_slowdown for r in ranked)
     assert p.choice.candidate == fitting[-1] and p.verification.fitted
 
-    cuda = plan(*case, device="cuda", budget=limit + estimated.allowance + 2**30, precisions=("float32", "bf16"),
-                accumulate=[1, 2], implementations=False, alternatives=3, lora=False)
+    cuda = plan(*case, device="cuda", budget=limit + estimated.allowance + 2**30, alternatives=3, techniques=Techniques(
+        precisions=("float32", "bf16"), accumulate=[1, 2], implementations=False, lora=False))
     timed = [r for r in cuda.rows if r.fits and r.need is not None]
     assert all(r.measured_on == "cpu" for r in timed)  # timed here, on the CPU...
     assert [r.slowdown for r in timed] == sorted(r.slowdown for r in timed)  # ...ranked by the estimates
@@ -166,8 +161,8 @@ def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_pl
 def test_the_pasted_code_trains_like_train_step():
     make_model, make_opt, make_batch = mlp_case()
     limit = int(plain_peak((make_model, make_opt, make_batch)) * 0.85)
-    p = plan(make_model, make_opt, make_batch, budget=limit, device=DEVICE, precisions=("float32",),
-             accumulate=[1, 2, 4], implementations=False, alternatives=0, verify=False)
+    p = plan(make_model, make_opt, make_batch, budget=limit, device=DEVICE, alternatives=0, verify=False,
+             techniques=Techniques(precisions=("float32",), accumulate=[1, 2, 4], implementations=False))
     c = p.choice.candidate
     assert c.accumulate > 1 or c.checkpointed  # a recipe with a technique in it
     torch.manual_seed(0)
@@ -207,8 +202,8 @@ def test_offload_takes_every_saved_tensor_off_the_device_and_counts_its_copies()
 
 def test_several_gpus_give_per_rank_figures_by_the_sharding_formulas():
     case = gpt_case(batch=8)
-    p = plan(*case, budget="1GB", device=DEVICE, gpus=2, precisions=("float32",), accumulate=[1],
-             checkpointing=False, implementations=False, alternatives=5, verify=True)
+    p = plan(*case, budget="1GB", device=DEVICE, gpus=2, alternatives=5, verify=True, techniques=Techniques(
+        precisions=("float32",), accumulate=[1], checkpointing=False, implementations=False))
     need = {r.candidate.strategy: r.need for r in p.rows if r.need is not None}
     assert set(need) == {"DDP", "ZeRO-1", "FSDP"}
     assert need["FSDP"] < need["ZeRO-1"] < need["DDP"]  # each stage shards more
@@ -225,17 +220,19 @@ def test_the_plan_renders_as_text_and_html(mlp_plan):
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": "lots"}, "not a size"),
     ({"budget": "24GB", "device": "tpu"}, "'cuda'"),
-    ({"budget": "24GB", "precisions": ("fp8",)}, "float32, bf16, fp16, half"),
+    ({"budget": "24GB", "techniques": {"precisions": ("fp8",)}}, "float32, bf16, fp16, half"),
     ({"budget": "24GB", "gpus": 0}, "whole number of GPUs"),
-    ({"budget": "24GB", "accumulate": [3]}, "must divide"),
-    ({"budget": "24GB", "strategies": ("FSDP",)}, "gpus=2"),
-    ({"budget": "24GB", "gpus": 2, "strategies": ("ZeRO-3",)}, "DDP, ZeRO-1, FSDP"),
-    ({"budget": "24GB", "optimizers": {"sgd": "SGD"}}, "must build an optimizer"),
+    ({"budget": "24GB", "techniques": {"accumulate": [3]}}, "must divide"),
+    ({"budget": "24GB", "techniques": {"strategies": ("FSDP",)}}, "gpus=2"),
+    ({"budget": "24GB", "gpus": 2, "techniques": {"strategies": ("ZeRO-3",)}}, "DDP, ZeRO-1, FSDP"),
+    ({"budget": "24GB", "techniques": {"optimizers": {"sgd": "SGD"}}}, "must build an optimizer"),
 ])
 def test_bad_input_says_what_is_allowed(kwargs, message):
     make_model, make_opt, make_batch = mlp_case()
+    kwargs = dict(kwargs)
+    techniques = kwargs.pop("techniques", None)
     with pytest.raises((ValueError, TypeError), match=message):
-        plan(make_model, make_opt, make_batch, **kwargs)
+        plan(make_model, make_opt, make_batch, techniques=techniques and Techniques(**techniques), **kwargs)
 
 
 def test_a_batch_that_is_not_inputs_and_targets_is_refused():
@@ -252,8 +249,8 @@ def test_a_model_that_already_exists_is_planned_and_verified_on_copies_and_left_
     x, y = digits_batch(16)
     weights = [w.detach().clone() for w in model.parameters()]
     p = plan(lambda: model, lambda q: torch.optim.SGD(q, lr=0.1), lambda: (x, y), budget="1GB", device=DEVICE,
-             precisions=("half",), accumulate=[1], checkpointing=False, offload=False, implementations=False,
-             alternatives=0)
+             alternatives=0, techniques=Techniques(precisions=("half",), accumulate=[1], checkpointing=False,
+                                                   offload=False, implementations=False))
     assert p.choice.candidate.precision == "half" and p.verification.ran and p.verification.fitted  # a real step
     for w, w0 in zip(model.parameters(), weights):
         assert type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.grad is None and torch.equal(w, w0)
@@ -289,8 +286,9 @@ def test_a_card_gives_the_budget_and_speeds_and_on_a_t4_bfloat16_ranks_after_flo
     from gpukit.cards import card
 
     case = gpt_case()
-    options = dict(precisions=("bf16", "fp16"), accumulate=[1], checkpointing=False, offload=False,
-                   implementations=False, lora=False, alternatives=1, verify=False)
+    options = dict(techniques=Techniques(precisions=("bf16", "fp16"), accumulate=[1], checkpointing=False,
+                                         offload=False, implementations=False, lora=False),
+                   alternatives=1, verify=False)
     t4 = plan(*case, card="T4", **options)
     assert t4.budget == card("t4").torch_total_memory and "NVIDIA T4" in t4.assumptions
     assert f"{card('t4').fp32_tflops:g} TFLOP/s" in t4.assumptions

@@ -14,7 +14,7 @@ import torch
 from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
-from gpukit.plan import host, plan
+from gpukit.plan import DEFAULT_CARD, Techniques, host, plan
 from gpukit.plan.search import PlanSearch
 from gpukit.plan.steps import model_maker, step_for
 from gpukit.step import resolve_loss
@@ -28,13 +28,14 @@ def gpt_case(batch: int = 32):
         (lambda: (x.clone(), y.clone()))
 
 
-def search_for(case, device: str, limit: int = 10**12, **kwargs) -> PlanSearch:
-    options = dict(gpus=1, optimizers=None, implementations=True, precisions=("float32", "bf16 weights"),
-                   accumulate=[1, 2], checkpointing=True, offload=False, strategies=("single GPU",), allowance=0,
-                   tflops=100e12, memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, device=device,
-                   lora=False)
-    options.update(kwargs)
-    return PlanSearch(*case, limit, **options)
+def search_for(case, device: str, limit: int = 10**12, *, loss=None, card=None, allowance: int = 0,
+               **techniques) -> PlanSearch:
+    """A search of ``case`` on one GPU for ``device`` (``card``, else DEFAULT_CARD, with ``allowance``), with these
+    techniques, those given replaced (``Techniques``' fields)."""
+    options = dict(precisions=("float32", "bf16 weights"), accumulate=[1, 2], offload=False, lora=False)
+    options.update(techniques)
+    return PlanSearch(*case, limit, device=device, loss=loss, techniques=Techniques(**options),
+                      card=replace(card or DEFAULT_CARD, context_allowance=allowance))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -90,8 +91,8 @@ def test_candidates_pruned_by_the_bound_do_not_fit_and_the_cheapest_is_still_fou
     fitting = [r for r in every if r.fits]
     assert fitting and len(fitting) < len(every)
     cheapest = exhaustive.rank_fitting(fitting, note=False)[0]  # (the plan's own ranking)
-    p = plan(*case, budget=limit, device="cpu", precisions=("float32", "bf16 weights"),
-             accumulate=[1, 2], offload=False, lora=False, alternatives=0, verify=False)
+    p = plan(*case, budget=limit, device="cpu", alternatives=0, verify=False, techniques=Techniques(
+        precisions=("float32", "bf16 weights"), accumulate=[1, 2], offload=False, lora=False))
     assert p.choice.candidate == cheapest.candidate
     need = {r.candidate: r.need for r in every}
     bounded = [r for r in p.rows if r.need is None and "forward and backward" in r.verdict]

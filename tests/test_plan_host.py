@@ -6,6 +6,7 @@ the tests that need it are skipped."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
 from gpukit.offload import cuda_stand_ins, predict_offload
-from gpukit.plan import plan
+from gpukit.plan import DEFAULT_CARD, Host, Techniques, plan
 from gpukit.plan import host
 from gpukit.plan.search import PlanSearch
 from gpukit.step import train_step
@@ -24,7 +25,8 @@ pytest.importorskip("torchao.optim", reason="torchao is not installed here")
 HOST = "AdamW on the host (torchao CPUOffloadOptimizer)"
 HOST_GRADS = "AdamW on the host, gradients too (torchao CPUOffloadOptimizer)"
 # A model whose AdamW state is what breaks the budget: 3.2 M parameters (12.6 MB in float32), a batch of 8.
-BUDGET = "95MB"  # with allowance=0 on an H100's rules: plain AdamW needs 134 MB, torchao's with gradients 92 MB
+# with no context allowance, on an H100's rules: plain AdamW needs 134 MB, torchao's with gradients 92 MB
+BUDGET = "95MB"
 
 
 def make_model():
@@ -42,9 +44,15 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+# DEFAULT_CARD (an H100's rules) with no context allowance: the needs are the simulated reserved peaks
+NO_ALLOWANCE = replace(DEFAULT_CARD, context_allowance=0)
+ONLY_OPTIMIZERS = Techniques(precisions=("float32",), accumulate=[1], checkpointing=False, offload=False, lora=False)
+# what the bounds are checked over (tried with every optimizer implementation)
+SEARCHED = Techniques(precisions=("float32", "bf16 weights"), accumulate=[1, 2], offload=False, lora=False)
+
+
 def small_plan(budget=BUDGET, **kwargs):
-    options = dict(device="cuda", allowance=0, precisions=("float32",), accumulate=[1], checkpointing=False,
-                   offload=False, lora=False, alternatives=0)
+    options = dict(device="cuda", card=NO_ALLOWANCE, techniques=ONLY_OPTIMIZERS, alternatives=0)
     options.update(kwargs)
     return plan(make_model, adamw, make_batch, budget, **options)
 
@@ -79,8 +87,8 @@ def test_the_host_candidates_are_tried_for_adam_and_adamw_on_one_cuda_gpu_only(m
 def test_a_cpu_plan_and_sgd_have_no_host_candidate():
     """Device: cpu plan, and a cuda plan with SGD (predicted on the CPU)."""
     for device, make in (("cpu", adamw), ("cuda", lambda p: torch.optim.SGD(p, lr=0.1))):
-        p = plan(make_model, make, make_batch, "1GB", device=device, precisions=("float32",), accumulate=[1],
-                 checkpointing=False, offload=False, lora=False, alternatives=0, verify=False)
+        p = plan(make_model, make, make_batch, "1GB", device=device, techniques=ONLY_OPTIMIZERS, alternatives=0,
+                 verify=False)
         assert not any("on the host" in r.candidate.optimizer for r in p.rows)
 
 
@@ -145,10 +153,10 @@ def test_a_host_too_small_for_the_optimizers_copies_makes_the_host_candidates_no
     parameter) put them over: 'does not fit', saying why. Nothing fits the budget then."""
     offloaded = [q for q in make_model().parameters() if q.numel() >= host.MINIMAL_SIZE]
     copies = 4 * sum((q.numel() * 4 + 511) // 512 * 512 for q in offloaded)
-    pruned = small_plan(host_memory=copies - 1, verify=False)
+    pruned = small_plan(host=Host(memory=copies - 1), verify=False)
     rows = [r for r in pruned.rows if "on the host" in r.candidate.optimizer]
-    assert rows and all(r.need is None and "host_memory" in r.verdict for r in rows)
-    predicted = small_plan(host_memory=copies + 1, verify=False)
+    assert rows and all(r.need is None and "the host's memory" in r.verdict for r in rows)
+    predicted = small_plan(host=Host(memory=copies + 1), verify=False)
     rows = [r for r in predicted.rows if r.candidate.optimizer == HOST_GRADS]
     assert rows[0].need is not None and rows[0].need <= predicted.budget and rows[0].fits is False
     assert rows[0].verdict.startswith("does not fit: the host needs") and rows[0].host_peak > copies
@@ -158,8 +166,8 @@ def test_a_host_too_small_for_the_optimizers_copies_makes_the_host_candidates_no
 @pytest.mark.parametrize("value", ["lots", -5, "12.7 parsecs"])
 def test_a_host_memory_that_is_not_a_size_says_what_is_allowed(value):
     """Device: none (refused before anything is predicted)."""
-    with pytest.raises(ValueError, match=r"host_memory=.*'12.7GB'.*GiB\).*None"):
-        small_plan(host_memory=value)
+    with pytest.raises(ValueError, match=r"Host\(memory=.*'12.7GB'.*GiB\).*None"):
+        Host(memory=value)
 
 
 def test_every_bound_of_a_host_candidate_is_at_most_its_need():
@@ -169,10 +177,8 @@ def test_every_bound_of_a_host_candidate_is_at_most_its_need():
     most what the candidate is predicted to need."""
     x, y = digit_tokens_batch(16)
     search = PlanSearch(lambda: TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), lambda p: torch.optim.AdamW(p),
-                        lambda: (x.clone(), y.clone()), 10**12, device="cuda", gpus=1, optimizers=None,
-                        implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
-                        checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
-                        memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
+                        lambda: (x.clone(), y.clone()), 10**12, device="cuda", card=NO_ALLOWANCE,
+                        techniques=SEARCHED)
     candidates = [c for c in search.candidates() if c.optimizer in search.host]
     assert {c.optimizer for c in candidates} == {HOST, HOST_GRADS}
     assert not any(c.accumulate > 1 for c in candidates if search.host[c.optimizer])  # no accumulation
@@ -195,10 +201,8 @@ def test_host_candidates_the_search_prunes_by_a_bound_need_at_least_that_bound()
     """Device: none (CUDA's rules, fake tensors). A budget below what the cuBLAS workspaces and the weights need:
     the search prunes the host candidates by their bounds without predicting them; each, predicted afterwards,
     needs at least the bound it was pruned by."""
-    search = PlanSearch(make_model, adamw, make_batch, 60 * 10**6, device="cuda", gpus=1, optimizers=None,
-                        implementations=True, precisions=("float32", "bf16 weights"), accumulate=[1, 2],
-                        checkpointing=True, offload=False, strategies=("single GPU",), allowance=0, tflops=100e12,
-                        memory_bandwidth=2e12, host_bandwidth=16e9, alternatives=0, lora=False)
+    search = PlanSearch(make_model, adamw, make_batch, 60 * 10**6, device="cuda", card=NO_ALLOWANCE,
+                        techniques=SEARCHED)
     rows = search.run()
     pruned = [r for r in rows if r.candidate.optimizer in search.host and r.bound is not None]
     assert pruned and all(r.need is None and r.bound > search.limit for r in pruned)

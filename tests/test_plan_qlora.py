@@ -16,7 +16,7 @@ import gpukit
 from gpukit.estimate import state_bytes
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
-from gpukit.plan import Candidate, plan
+from gpukit.plan import Candidate, Techniques, plan
 from gpukit.plan.facts import quantization_state_bytes, quantization_state_of
 from gpukit.plan.steps import with_qlora
 from gpukit.step import resolve_loss
@@ -40,8 +40,8 @@ def lora_misses():
     search = search_for(CASE, DEVICE, precisions=("float32",), accumulate=[1], checkpointing=False,
                         implementations=False, loss=resolve_loss("model"), lora=True)
     lora, qlora = search.evaluate(Candidate("yours: AdamW", lora=True)), search.evaluate(QLORA)
-    p = plan(*CASE, lora.need - 1, device=DEVICE, loss="model", precisions=("float32",), accumulate=[1],
-             checkpointing=False, implementations=False, alternatives=0)
+    p = plan(*CASE, lora.need - 1, device=DEVICE, loss="model", alternatives=0, techniques=Techniques(
+        precisions=("float32",), accumulate=[1], checkpointing=False, implementations=False))
     return p, qlora, search
 
 
@@ -100,7 +100,7 @@ def test_on_cuda_the_qlora_need_is_reserved_memory_once_the_cache_is_emptied_as_
     options = dict(precisions=("float32",), accumulate=[1], checkpointing=False, implementations=False,
                    loss=resolve_loss("model"), lora=True)
     row = search_for(case, "cuda", **options).evaluate(QLORA)
-    assert row.peak <= row.reserved == row.need  # (allowance=0)
+    assert row.peak <= row.reserved == row.need  # (no context allowance)
     assert "cache is emptied as peft's prepare_model_for_kbit_training does" in row.how
     monkeypatch.setattr(CachingAllocator, "empty_cache", lambda self: None)
     search = search_for(case, "cuda", **options)

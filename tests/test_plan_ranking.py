@@ -6,6 +6,7 @@ models built from configs (nothing downloaded); plans for CUDA are predicted on 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from gpukit.cards import card
 from gpukit.estimate import CONTEXT_ALLOWANCE
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
-from gpukit.plan import NEEDS, Candidate, plan
+from gpukit.plan import DEFAULT_CARD, NEEDS, Candidate, Host, Techniques, plan
 from gpukit.plan.candidates import LOST_UPDATES, NUMERICS_NAMES
 from gpukit.step import resolve_loss
 from test_plan_bounds import search_for
@@ -60,8 +61,8 @@ def test_a_tie_in_cost_goes_to_plain_pytorch_adamw_before_bitsandbytes_8bit_adam
                         card=card("t4"), allowance=CONTEXT_ALLOWANCE)
     eight = search.evaluate(Candidate("AdamW8bit (bitsandbytes)"))
     plain = search.evaluate(Candidate("yours: AdamW"))
-    p = plan(*BERT, eight.need, card="t4", loss="model", precisions=("float32",), accumulate=[1, 2],
-             checkpointing=False, offload=False, lora=False, alternatives=0, verify=False)
+    p = plan(*BERT, eight.need, card="t4", loss="model", alternatives=0, verify=False, techniques=Techniques(
+        precisions=("float32",), accumulate=[1, 2], checkpointing=False, offload=False, lora=False))
     choice = p.choice
     assert plain.need > p.budget  # the premise: AdamW alone does not fit, its 8-bit version does...
     assert choice.candidate.optimizer == "yours: AdamW" and choice.candidate.accumulate == 2
@@ -91,8 +92,8 @@ def text_batch(n=1, length=16):
 
 
 def llama_plan(budget, **options):
-    kwargs = dict(device="cuda", allowance=0, loss="model", precisions=("float32",), accumulate=[1],
-                  checkpointing=False, offload=False, verify=False)
+    kwargs = dict(device="cuda", card=replace(DEFAULT_CARD, context_allowance=0), loss="model", verify=False,
+                  techniques=Techniques(precisions=("float32",), accumulate=[1], checkpointing=False, offload=False))
     kwargs.update(options)
     return plan(llama, lambda p: torch.optim.AdamW(p), text_batch, budget, **kwargs)
 
@@ -129,7 +130,7 @@ def test_a_recipe_many_times_slower_than_lora_ranks_after_it_and_says_why(host_a
 def test_a_recipe_that_needs_more_host_memory_than_a_typical_host_ranks_after_lora(host_and_lora, monkeypatch):
     """Device: none. The same plan, its host optimizer's speed not counted against it (a slowness factor too large
     to matter): on a host smaller than its host peak (the typical host taken at 1 MB here) it still comes after
-    LoRA, saying why; told that the host has enough (``host_memory``), it comes first, as the only full fine-tune."""
+    LoRA, saying why; told that the host has enough (``Host.memory``), it comes first, as the only full fine-tune."""
     monkeypatch.setattr(SEARCH, "SLOW", 1e9)
     monkeypatch.setattr(SEARCH, "TYPICAL_HOST_MEMORY", 10**6)
     small = llama_plan(host_and_lora, alternatives=1)
@@ -137,8 +138,9 @@ def test_a_recipe_that_needs_more_host_memory_than_a_typical_host_ranks_after_lo
     host = [r for r in small.rows if r.fits and r.need is not None and "on the host" in r.candidate.optimizer]
     assert host and all(r.host_peak > 10**6 for r in host)
     for r in host:
-        assert "over the 976.56 KiB of Colab's host, a typical one; plan(host_memory=...) says yours" in r.ranking
-    roomy = llama_plan(host_and_lora, alternatives=0, host_memory="1GB")
+        assert "over the 976.56 KiB of Colab's host, a typical one; plan(host=Host(memory=...)) says yours" \
+            in r.ranking
+    roomy = llama_plan(host_and_lora, alternatives=0, host=Host(memory="1GB"))
     assert "on the host" in roomy.choice.candidate.optimizer and roomy.choice.ranking == ""
 
 
@@ -159,8 +161,9 @@ def test_sixteen_bit_weights_say_small_updates_are_lost_and_rank_after_autocast(
     of the weight: their numerics say so and name the remedies, and where autocast fits too, autocast ranks first,
     although the 16-bit weights need less memory at the same estimated cost (the order the plan gave before)."""
     make_model, make_batch = gpt_case()
-    p = plan(make_model, optimizer, make_batch, "1GB", device="cpu", precisions=(amp, precision), accumulate=[1],
-             checkpointing=False, implementations=False, lora=False, alternatives=3, verify=False)
+    p = plan(make_model, optimizer, make_batch, "1GB", device="cpu", alternatives=3, verify=False,
+             techniques=Techniques(precisions=(amp, precision), accumulate=[1], checkpointing=False,
+                                   implementations=False, lora=False))
     weights, autocast = rows_by(p, precision=precision)[0], rows_by(p, precision=amp)[0]
     assert weights.fits and autocast.fits and weights.need < autocast.need and weights.slowdown == autocast.slowdown
     assert p.choice is autocast and p.rows.index(weights) > p.rows.index(autocast)
@@ -194,9 +197,9 @@ def test_the_columns_say_what_they_hold_on_each_device():
     step times and the libraries have columns named for them."""
     make_model, make_batch = gpt_case(8)
     for device, column in (("cpu", "needs (allocated at peak)"), ("cuda", "needs (reserved + context)")):
-        p = plan(make_model, lambda q: torch.optim.AdamW(q), make_batch, "10GB", device=device,
-                 precisions=("float32",), accumulate=[1], checkpointing=False, implementations=False, lora=False,
-                 alternatives=0, verify=False)
+        p = plan(make_model, lambda q: torch.optim.AdamW(q), make_batch, "10GB", device=device, alternatives=0,
+                 verify=False, techniques=Techniques(precisions=("float32",), accumulate=[1], checkpointing=False,
+                                                     implementations=False, lora=False))
         frame = p.frame()
         assert NEEDS[device] == column and list(frame.columns) == [
             "techniques", "optimizer", "verdict", column, "budget - needs", "step time, estimated (x plain step)",

@@ -124,7 +124,7 @@ def planned_below(make, batch, fraction: float, alternatives: int):
                             verify=False, alternatives=0)
     plain = unlimited.choice.peak
     p = gpukit.plan(make, torch.optim.AdamW, lambda: batch, budget=int(fraction * plain), device="cpu", loss="model",
-                    alternatives=alternatives, implementations=False)
+                    alternatives=alternatives, techniques=gpukit.plan.Techniques(implementations=False))
     v = p.verification
     assert v.ran and v.fitted and v.measured_peak == p.choice.peak < fraction * plain
     return plain, p

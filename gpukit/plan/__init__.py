@@ -25,7 +25,7 @@ How the search stays cheap (every shortcut is stated in the table):
   parameter type: a lower bound of every candidate with them. Over the budget: none of them is predicted. With
   the optimizer's state on the host, what the GPU holds when a step starts is counted from the model alone
   (parameters, buffers, gradients; the state of the small parameters torchao keeps on the GPU left out), and the
-  host's four copies of each offloaded weight bound the host's peak (over ``host_memory``: not predicted).
+  host's four copies of each offloaded weight bound the host's peak (over ``Host.memory``: not predicted).
 * Before any candidate of a configuration (precision, micro-batches, checkpointing, offload, LoRA, chunked
   loss) is predicted, its step runs without the warm-up up to the optimizer step, and stops as soon as what it
   allocated puts the configuration over the budget: with what outlives the step taken out, a lower bound of
@@ -44,7 +44,7 @@ How the search stays cheap (every shortcut is stated in the table):
 
 How the fitting recipes are ranked (``PlanSearch.rank_fitting``; each row whose place its cost alone would not give
 says why in its "ranking" cell): a recipe more than 3 times as costly as the fastest fitting one, or whose host
-memory need is over the host's (``host_memory``, else Colab's 12.7 GB), after every one that is neither; then the
+memory need is over the host's (``Host.memory``, else Colab's 12.7 GB), after every one that is neither; then the
 recipes that keep every update (AMP, accumulation, checkpointing, offload, another implementation), then those
 that train the whole model otherwise (16-bit weights without a float32 copy, whose small updates are lost; another
 optimizer), then those that train a different model (LoRA, QLoRA); within these, by cost, where costs within 5% are
@@ -53,11 +53,11 @@ one cost (the estimate resolves no finer) and PyTorch alone comes before a recip
 Time cost, relative to the plain float32 step of the same batch (estimated, from stated figures): a step does
 3 forward passes' worth of arithmetic (the backward pass two); checkpointing recomputes the checkpointed
 segments' forward (their FLOPs counted under fake tensors by ``torch.utils.flop_counter``); offload copies every
-saved tensor to the host and back at ``host_bandwidth``; an optimizer with its state on the host copies each
-offloaded gradient to the host after each micro-batch and each offloaded weight back at ``host_bandwidth``, and
+saved tensor to the host and back at the host's ``link``; an optimizer with its state on the host copies each
+offloaded gradient to the host after each micro-batch and each offloaded weight back at the ``link``, and
 steps on the host (a fused AdamW reads the weight, gradient and two moments of each element and writes three of
-them back) at ``host_memory_bandwidth``; each extra micro-batch reads the weights twice more and adds into the
-gradients at ``memory_bandwidth``; QLoRA dequantizes each 4-bit weight in every forward and backward, at
+them back) at the host's ``memory_bandwidth``; each extra micro-batch reads the weights twice more and adds into the
+gradients at the card's ``memory_bandwidth``; QLoRA dequantizes each 4-bit weight in every forward and backward, at
 ``memory_bandwidth``. AMP's speed-up and communication between GPUs are not counted.
 Where the model runs on this machine, each fitting candidate's step is also timed for real (labelled with the
 device it ran on). Timed on the planned device, that measured cost ranks the fitting candidates instead of the
@@ -72,7 +72,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..estimate import CONTEXT_ALLOWANCE
+from ..cards import Card
 from ..factories import check_factories
 from ..report import format_bytes, parse_bytes
 from ..step import resolve_loss
@@ -85,6 +85,7 @@ from .candidates import (
     Row,
     Verification,
 )
+from .params import DEFAULT_CARD, Host, Techniques, from_deprecated, named, resolve_card
 from .recipe import recipe_code
 from .result import Plan
 from .search import PlanSearch
@@ -92,15 +93,10 @@ from .verify import run_candidate, time_fitting, verify_choice
 
 
 def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], torch.optim.Optimizer],
-         make_batch: Callable[[], Any], budget: int | str | None = None, *, device: str = "cuda", gpus: int = 1,
-         optimizers: dict[str, Callable] | None = None, implementations: bool = True,
-         precisions: tuple[str, ...] = PRECISIONS, accumulate: list[int] | None = None, checkpointing: bool = True,
-         offload: bool = True, strategies: tuple[str, ...] | None = None, allowance: int | str | None = None,
-         tflops: float | None = None, memory_bandwidth: int | str | None = None, host_bandwidth: int | str = "16GB",
-         alternatives: int = 2, verify: bool = True,
-         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, lora: bool = True,
-         card: str | None = None, host_memory: int | str | None = None,
-         host_memory_bandwidth: int | str = "51.2GB") -> Plan:
+         make_batch: Callable[[], Any], budget: int | str | None = None, *, card: Card | str | None = None,
+         host: Host | None = None, techniques: Techniques | None = None, gpus: int = 1, device: str = "cuda",
+         loss: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, alternatives: int = 2,
+         verify: bool = True, **deprecated) -> Plan:
     """The cheapest way to make one training step fit a memory budget (see the module's docstring).
 
     Args:
@@ -111,126 +107,66 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
             (``copy.deepcopy``): it is never converted or stepped itself.
         budget: the GPU's memory, ``"24GB"`` (GB = 10^9 B), ``"80 GiB"`` or bytes; default: the card's (what
             torch reports where a public report is recorded, else its data sheet's), else ``"24GB"``.
+        card: the GPU, a ``gpukit.cards.Card`` or its name (``"t4"``, ``"A100 80GB"``,
+            ``torch.cuda.get_device_name()``: ``gpukit.cards``); None: ``DEFAULT_CARD`` (Hopper's kernels, 100
+            TFLOP/s, 2 TB/s). The time cost is estimated from its float32 TFLOP/s (``fp32_tflops``) and memory
+            bandwidth (``memory_bandwidth``, bytes/s); every need adds its ``context_allowance`` (memory beyond
+            PyTorch's: the CUDA context, libraries; None: ``gpukit.allocator.CONTEXT_ALLOWANCE`` on CUDA, 0 on the
+            CPU). A card ``gpukit.cards`` does not list, or other figures: ``dataclasses.replace(
+            gpukit.cards.card("a100-40gb"), fp32_tflops=..., context_allowance=0)``. On a card without bfloat16
+            tensor cores (the T4), every bfloat16 recipe ranks after the float16 ones of the same cost, and its
+            numerics say why; every prediction takes the attention kernels the card has (on a T4 bfloat16
+            attention runs the math kernel, whose attention matrix is counted). A CPU plan takes only
+            ``DEFAULT_CARD`` or one replaced from it (the time figures).
+        host: the machine around the card, a ``Host``: its memory (a recipe whose host peak is over it does not
+            fit), its memory bandwidth (an optimizer step on the host) and the link to the card (copies);
+            default ``Host()``.
+        techniques: the techniques tried, a ``Techniques`` (precisions, accumulation, checkpointing, offload,
+            optimizers and their implementations, LoRA, strategies on several GPUs); default ``Techniques()``,
+            all of them.
+        gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
         device: ``"cuda"`` (CUDA's code paths, reserved memory, the context allowance) or ``"cpu"``
             (allocated memory, what ``gpukit.budget`` caps on a CPU).
-        gpus: GPUs sharing the batch; above 1 the candidates are DDP, ZeRO-1 and FSDP, per rank.
-        optimizers: other optimizers you allow, ``{"SGD momentum": lambda p: torch.optim.SGD(p, 0.1, 0.9)}``.
-        implementations: also try the optimizer's for-loop and fused steps (``foreach=False``, ``fused=True``),
-            an Adam or AdamW with 8-bit moments (bitsandbytes' ``Adam8bit``, ``AdamW8bit``, where installed),
-            the optimizer step fused into backward (``gpukit.bigmodel.OptimizerInBackward``: no accumulation, no
-            GradScaler, one GPU), and for a CUDA plan on one GPU an Adam or AdamW with its state and step on the
-            host (torchao's ``CPUOffloadOptimizer``, where installed; with ``offload_gradients=True`` too, then
-            without accumulation; in float32 or bfloat16 weights, no autocast: the simulated GPU has no autocast
-            kernels of its own). Its step is fused Adam(W) on the CPU: rounding-level, as ``fused=True``.
-        precisions: of ``"float32"``, ``"bf16"``, ``"fp16"`` (autocast; float16 with a GradScaler), ``"half"``
-            (``model.half()`` with BatchNorm in float32; only with optimizers without an eps, such as SGD: Adam's
-            eps of 1e-8 is 0 in float16) and ``"bf16 weights"`` (``model.to(torch.bfloat16)``: weights, gradients
-            and optimizer state in bfloat16, no float32 copy). The last two lose every update below 2^-11 (float16)
-            or 2^-8 (bfloat16) of its weight: their numerics say "small updates lost", and they rank after every
-            fitting recipe that keeps a float32 copy.
-        accumulate: micro-batch counts to try (default: the powers of two that divide the batch per GPU).
-        checkpointing, offload: try activation checkpointing (``gpukit.step.checkpoint_plan``), and saved tensors
-            sent to the host (CUDA plans only: on a CPU the host is the device).
-        strategies: with ``gpus > 1``, of ``"DDP"``, ``"ZeRO-1"``, ``"FSDP"`` (default all three).
-        allowance: memory beyond PyTorch's (CUDA context, libraries): default ``CONTEXT_ALLOWANCE`` on CUDA, 0 on
-            the CPU.
-        tflops, memory_bandwidth, host_bandwidth: the figures the time cost is estimated with (per second):
-            by default the card's float32 TFLOP/s and memory bandwidth (its data sheet's), else 100 TFLOP/s and
-            2 TB/s; host copies 16 GB/s.
-        host_memory: the host's memory for an optimizer state kept there (bytes, ``"12.7GB"``, ``"64 GiB"``); a
-            candidate whose predicted host peak is above it does not fit, and its verdict says so. None: not
-            limited, but a candidate whose host peak is above Colab's 12.7 GB ranks after every fitting one that is
-            not, and its "ranking" cell says so.
-        host_memory_bandwidth: the host's memory bandwidth, per second, for the optimizer step on the host;
-            default 51.2 GB/s, two channels of DDR4-3200 (3,200 MT/s x 8 bytes = 25.6 GB/s a channel, JEDEC
-            JESD79-4): a desktop's or a cloud VM's share; a server socket has 4 to 12 channels.
-        card: the GPU, by name (``"t4"``, ``"A100 80GB"``, ``torch.cuda.get_device_name()``: ``gpukit.cards``).
-            On a card without bfloat16 tensor cores (the T4), every bfloat16 recipe ranks after the float16 ones
-            of the same cost, and its numerics say why; every prediction takes the attention kernels the card
-            has (on a T4 bfloat16 attention runs the math kernel, whose attention matrix is counted).
-        alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
-        verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
-            this machine (and time each fitting candidate's step here).
         loss: how the step's loss is computed, as for ``gpukit.step.train_step``: ``None``, cross-entropy of
             ``model(inputs)`` against ``targets``; ``"model"``, the model computes it (``model(**batch).loss``: a
             transformers model with ``labels`` in the batch, no wrapper); or ``loss(model, batch)``. Accumulation
             cuts every tensor of the batch along its first dimension.
-        lora: also try training LoRA adapters instead of the model (peft, where installed: rank 16 on every
-            ``nn.Linear`` but the output layer, the weights frozen), and for a transformers model where bitsandbytes
-            is installed QLoRA (those weights quantized to 4-bit NF4 as ``from_pretrained`` with
-            ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.bfloat16)`` does, ``prepare_model_for_kbit_training``, then the adapters).
-            A different model is trained: such a recipe ranks after every one that trains the model itself, on one
-            GPU only.
+        alternatives: fitting recipes to predict after the cheapest (for comparison; 0 is fastest).
+        verify: run the chosen recipe's step once for real under ``gpukit.budget`` when it is small enough for
+            this machine (and time each fitting candidate's step here).
+        **deprecated: the keywords ``plan()`` took before, for one release, each with a DeprecationWarning naming
+            its new form: ``optimizers``, ``implementations``, ``precisions``, ``accumulate``, ``checkpointing``,
+            ``offload``, ``strategies``, ``lora`` (``techniques=Techniques(...)``); ``host_memory``,
+            ``host_memory_bandwidth``, ``host_bandwidth`` (``host=Host(memory=..., memory_bandwidth=...,
+            link=...)``); ``tflops``, ``memory_bandwidth``, ``allowance`` (the card's ``fp32_tflops``,
+            ``memory_bandwidth``, ``context_allowance``: ``card=dataclasses.replace(card, ...)``).
 
     Returns:
         A ``Plan``: its table (``frame()``, HTML in Jupyter), ``choice``, ``code`` and ``verification``.
 
     Raises:
-        ValueError: for a budget, device, precision, strategy, accumulation or host memory that is not one (the
-            message lists what is allowed), a batch that is not ``(inputs, targets)`` without ``loss`` (or whose
-            tensors do not share a batch dimension), a ``loss`` that is none of the above, or an optimizer that
-            already exists returned by ``make_optimizer`` (``gpukit.factories.check_optimizer``).
-        TypeError: a model, optimizer or batch passed where the function that builds it is expected.
+        ValueError: for a budget, device, card figure, strategy for the number of GPUs or accumulation that is not
+            one (the message lists what is allowed; ``Host`` and ``Techniques`` check their own when made), an old
+            keyword beside its new home (``precisions=`` with ``techniques=``), a batch that is not
+            ``(inputs, targets)`` without ``loss`` (or whose tensors do not share a batch dimension), a ``loss``
+            that is none of the above, or an optimizer that already exists returned by ``make_optimizer``
+            (``gpukit.factories.check_optimizer``).
+        TypeError: a model, optimizer or batch passed where the function that builds it is expected; a card,
+            host or techniques of another type; a keyword ``plan()`` does not take.
     """
     t0 = time.perf_counter()
+    card, host, techniques = from_deprecated(deprecated, card, host, techniques, device)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
+    gpu = resolve_card(card, device)
+    if not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
+        raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
     check_factories(make_model, make_optimizer, make_batch,
                     batch="lambda: (inputs, targets)" if loss is None else "lambda: batch")
     loss = resolve_loss(loss)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
-    gpu = None
-    if card is not None:
-        from ..cards import card as find_card
-
-        gpu = find_card(card)
-        if device != "cuda":
-            raise ValueError(f"card={card!r} is a GPU: plan for it with device='cuda'")
-    limit = parse_bytes(budget if budget is not None else
-                        (gpu.torch_total_memory or gpu.memory_bytes) if gpu is not None else "24GB")
-    tflops = tflops if tflops is not None else gpu.fp32_tflops if gpu is not None else 100.0
-    memory_bandwidth = memory_bandwidth if memory_bandwidth is not None else \
-        int(gpu.memory_bandwidth) if gpu is not None else "2TB"
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"gpus={gpus!r}: a whole number of GPUs, 1 or more")
-    unknown = [p for p in precisions if p not in PRECISIONS]
-    if unknown or not precisions or isinstance(precisions, str):
-        raise ValueError(f"precisions={precisions!r}: choose from {', '.join(PRECISIONS)}")
-    if gpus == 1:
-        if strategies not in (None, ("single GPU",), ["single GPU"]):
-            raise ValueError("strategies apply to several GPUs: pass gpus=2 or more")
-        strategies = ("single GPU",)
-    else:
-        strategies = tuple(strategies or STRATEGIES[1:])
-        unknown = [s for s in strategies if s not in STRATEGIES[1:]]
-        if unknown or not strategies:
-            raise ValueError(f"strategies={strategies!r}: choose from {', '.join(STRATEGIES[1:])}")
-    allowance = (CONTEXT_ALLOWANCE if device == "cuda" else 0) if allowance is None else \
-        (0 if allowance == 0 else parse_bytes(allowance))
-    speeds = {}
-    for name, value in (("memory_bandwidth", memory_bandwidth), ("host_bandwidth", host_bandwidth),
-                        ("host_memory_bandwidth", host_memory_bandwidth)):
-        speeds[name] = parse_bytes(value)
-    if host_memory is not None:
-        try:
-            host_memory = parse_bytes(host_memory)
-        except ValueError as err:
-            raise ValueError(f"host_memory={host_memory!r}: the host's memory for optimizer state kept there, bytes "
-                             f"or a size such as '12.7GB' or '64 GiB' (B, KB, MB, GB, KiB, MiB, GiB), or None (not "
-                             f"limited); {err}") from None
-    if not (isinstance(tflops, (int, float)) and tflops > 0):
-        raise ValueError(f"tflops={tflops!r}: the GPU's arithmetic rate in TFLOP/s, a positive number")
-    if not isinstance(lora, bool):
-        raise ValueError(f"lora={lora!r}: True (also try LoRA adapters, where peft is installed) or False")
-    if not isinstance(alternatives, int) or alternatives < 0:
-        raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
-    search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, optimizers=optimizers,
-                        implementations=implementations, precisions=tuple(precisions), accumulate=accumulate,
-                        checkpointing=checkpointing, offload=offload, strategies=strategies, allowance=allowance,
-                        tflops=tflops * 1e12, memory_bandwidth=speeds["memory_bandwidth"], loss=loss,
-                        host_bandwidth=speeds["host_bandwidth"], alternatives=alternatives, lora=lora,
-                        slow_bf16=gpu is not None and not gpu.bf16_tensor_cores, card=gpu, host_memory=host_memory,
-                        host_memory_bandwidth=speeds["host_memory_bandwidth"])
+    limit = parse_bytes(budget if budget is not None else gpu.torch_total_memory or gpu.memory_bytes)
+    search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, card=gpu,
+                        host=host, techniques=techniques, alternatives=alternatives, loss=loss)
     rows = search.run()
     timing_error = None
     if verify and any(r.fits for r in rows):
@@ -241,19 +177,23 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     note = (f"model: {facts.parameters:,} parameters, batch {facts.batch_size}"
             + (f" ({search.rank_batch} per GPU)" if gpus > 1 else "")
             + f", {facts.forward_flops / 1e9:,.1f} GFLOP per forward; checkpointing: {facts.checkpoint_text}")
-    assumptions = ((f"{gpu.name} (its data sheet's figures): " if gpu is not None else "")
-                   + f"slowdown estimated at {tflops:g} TFLOP/s, memory {format_bytes(speeds['memory_bandwidth'])}/s, "
-                   f"host copies {format_bytes(speeds['host_bandwidth'])}/s (AMP speed-up and communication not "
-                   "counted)")
+    assumptions = ((f"{gpu.name} (its data sheet's figures): " if named(gpu) else "")
+                   + f"slowdown estimated at {gpu.fp32_tflops:g} TFLOP/s, memory {format_bytes(search.memory_bw)}/s, "
+                   f"host copies {format_bytes(search.host_bw)}/s (AMP speed-up and communication not counted)")
     code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"
     verification = Verification(False, "not asked (verify=False)")
     if verify:
         verification = verify_choice(search, choice, timing_error)
-    result = Plan(limit, device, gpus, allowance, rows, choice, code, verification, search.predictions,
+    result = Plan(limit, device, gpus, search.allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
     result._make_model, result._make_batch, result._loss = search.make_real_model, make_batch, search.loss
     return result
 
 
-__all__ = ["plan", "Plan", "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
+# ``gpukit.plan`` is this function (gpukit imports it over its module's name): what it takes is spelled the same
+# from either, ``gpukit.plan.Techniques(...)``, ``gpukit.plan.Host(...)``, ``gpukit.plan.DEFAULT_CARD``.
+plan.Host, plan.Techniques, plan.DEFAULT_CARD = Host, Techniques, DEFAULT_CARD
+
+__all__ = ["plan", "Plan", "Host", "Techniques", "DEFAULT_CARD",
+           "Row", "Candidate", "Verification", "run_candidate", "recipe_code", "PRECISIONS",
            "STRATEGIES", "NUMERICS_NAMES", "NEEDS"]

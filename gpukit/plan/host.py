@@ -137,8 +137,8 @@ def step_seconds(search, c: Candidate) -> float:
 def evaluate(search, c: Candidate) -> Row:
     """Predict a host-offload candidate with ``gpukit.offload.predict_offload``: its need is the simulated GPU's
     peak (the batch held in full, as for every candidate) plus the context allowance; the host's peak goes into the
-    row and is compared with ``host_memory``; the copies of both kinds (saved tensors, the optimizer's) into
-    ``copy_bytes``."""
+    row and is compared with the host's memory (``Host.memory``); the copies of both kinds (saved tensors, the
+    optimizer's) into ``copy_bytes``."""
     from ..offload import predict_offload
 
     rank, note, tol = search.numerics(c)
@@ -169,7 +169,7 @@ def evaluate(search, c: Candidate) -> Row:
     fits = need <= search.limit
     verdict = "fits" if fits else "does not fit"
     if search.host_memory is not None and host_peak > search.host_memory:
-        verdict = (f"does not fit: the host needs {format_bytes(host_peak)}, more than host_memory "
+        verdict = (f"does not fit: the host needs {format_bytes(host_peak)}, more than the host's memory "
                    f"{format_bytes(search.host_memory)}")
         fits = False
     row = Row(c, verdict, fits, peak=peak, reserved=reserved, need=need, how="; ".join(how),

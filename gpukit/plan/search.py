@@ -13,7 +13,7 @@ import torch
 
 from .._torch import FakeTensorMode
 from ..cudarules import CudaRules, use_cuda_optimizer_defaults
-from ..estimate import predict, state_bytes
+from ..estimate import CONTEXT_ALLOWANCE, predict, state_bytes
 from ..factories import ValuesWhileBuilding
 from ..report import format_bytes
 from ..step import micro_loss
@@ -32,6 +32,8 @@ from .candidates import (
     Row,
 )
 from . import host
+from .host import host_variants
+from .params import DEFAULT_CARD, Host, Techniques, named, resolve_card
 from .facts import (QLORA_PRECISIONS, eight_bit_optimizer, is_adam_like, model_facts, optimizer_name,
                     other_implementations, quantization_state_bytes, stepped_in_backward)
 from .steps import (
@@ -67,7 +69,7 @@ TIE = 0.05
 # PCIe and stepping on the CPU (an 8B model at 1,024 tokens a step: estimated at about 10x).
 SLOW = 3.0
 # A recipe whose host memory need is over the host's ranks after every one that is not, with the reason in its row.
-# The host's memory: plan(host_memory=...) where given (a recipe over it does not fit at all), else Colab's
+# The host's memory: plan(host=Host(memory=...)) where given (a recipe over it does not fit at all), else Colab's
 # standard runtime, the smallest host a learner's GPU comes with (12.7 GB of system RAM in its resources panel, as
 # bench/rehearse.py records it).
 TYPICAL_HOST_MEMORY = int(12.7e9)
@@ -106,18 +108,50 @@ def _stateless(params) -> torch.optim.Optimizer:
 class PlanSearch:
     """One search of ``plan()``: the candidates, their predictions and bounds, and the fitting ones ranked."""
 
-    def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus, optimizers,
-                 implementations, precisions, accumulate, checkpointing, offload, strategies, allowance,
-                 tflops, memory_bandwidth, host_bandwidth, alternatives, loss=None, lora=True, slow_bf16=False,
-                 card=None, host_memory=None, host_memory_bandwidth=51.2e9):
+    def __init__(self, make_model, make_optimizer, make_batch, limit, *, device, gpus=1, card=None, host=None,
+                 techniques=None, alternatives=0, loss=None):
+        """As ``plan()`` takes them: ``card`` a ``gpukit.cards.Card``, its name or None (``DEFAULT_CARD``),
+        ``host`` a ``Host`` and ``techniques`` a ``Techniques`` (None: their defaults); ``limit`` in bytes and
+        ``loss`` resolved (``gpukit.step.resolve_loss``)."""
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device={device!r}: plan for 'cuda' (a GPU's code paths and reserved memory) or 'cpu'")
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            raise ValueError(f"gpus={gpus!r}: a whole number of GPUs, 1 or more")
+        card = resolve_card(card, device)
+        host = host if host is not None else Host()
+        techniques = techniques if techniques is not None else Techniques()
+        if not isinstance(host, Host):
+            raise TypeError(f"host={host!r}: a gpukit.plan.Host(memory=..., memory_bandwidth=..., link=...), or None")
+        if not isinstance(techniques, Techniques):
+            raise TypeError(f"techniques={techniques!r}: a gpukit.plan.Techniques(precisions=..., ...), or None")
+        strategies = techniques.strategies
+        if gpus == 1:
+            if strategies not in (None, ("single GPU",)):
+                raise ValueError("strategies apply to several GPUs: pass gpus=2 or more")
+            strategies = ("single GPU",)
+        else:
+            strategies = strategies or STRATEGIES[1:]
+            if any(s not in STRATEGIES[1:] for s in strategies):
+                raise ValueError(f"strategies={strategies!r}: choose from {', '.join(STRATEGIES[1:])}")
         self.make_model, self.make_batch, self.loss = make_model, make_batch, loss
-        self.limit, self.device, self.gpus, self.allowance = limit, device, gpus, allowance
-        self.tflops, self.memory_bw, self.host_bw = tflops, memory_bandwidth, host_bandwidth
+        self.gpu, self.host_machine, self.techniques = card, host, techniques
+        self.limit, self.device, self.gpus = limit, device, gpus
+        # memory beyond PyTorch's on the card (CUDA context, libraries), added to every need
+        self.allowance = card.context_allowance if card.context_allowance is not None else \
+            CONTEXT_ALLOWANCE if device == "cuda" else 0
+        # the figures the time cost is estimated with, per second
+        self.tflops, self.memory_bw, self.host_bw = card.fp32_tflops * 1e12, int(card.memory_bandwidth), host.link
         self.alternatives = alternatives
-        self.host_memory, self.host_memory_bw = host_memory, host_memory_bandwidth
+        self.host_memory, self.host_memory_bw = host.memory, host.memory_bandwidth
         self.host: dict[str, bool] = {}  # host-offload optimizers (gpukit.plan.host) -> offload_gradients
-        self.slow_bf16 = slow_bf16  # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
-        self.card = card if device == "cuda" else None  # its attention kernels in every prediction (a T4's math one)
+        # a card without bfloat16 tensor cores: bfloat16 after float16, cost for cost
+        self.slow_bf16 = not card.bf16_tensor_cores
+        # its attention kernels in every prediction (a T4's math one); None: Hopper's, DEFAULT_CARD's
+        self.card = card if device == "cuda" and (named(card) or card.compute_capability !=
+                                                   DEFAULT_CARD.compute_capability) else None
+        optimizers, implementations = techniques.optimizers, techniques.implementations
+        precisions, accumulate, lora = techniques.precisions, techniques.accumulate, techniques.lora
+        checkpointing, offload = techniques.checkpointing, techniques.offload
         self.facts = model_facts(make_model, make_batch, loss)
         # Real steps (the verification, Plan.run) train what they build: a model that already exists is copied.
         self.make_real_model = (lambda: copy.deepcopy(make_model())) if self.facts.existing_model else make_model
@@ -130,10 +164,7 @@ class PlanSearch:
         self.optimizer_libraries: dict[str, tuple[str, ...]] = {}  # an optimizer plan() adds -> its library
         self.same_state: dict[str, str] = {}  # an optimizer -> the one whose state_info is its own (for-loop step)
         self.state_above: dict[str, str] = {}  # an optimizer -> one whose state it holds at least (fused step)
-        for name, make in (optimizers or {}).items():
-            if not callable(make):
-                raise TypeError(f"optimizers[{name!r}] must build an optimizer from parameters "
-                                f"(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), not {make!r}")
+        for name, make in (optimizers or {}).items():  # (each a function: Techniques checks)
             self.optimizers[name] = (make, f"{optimizer_name(make)} instead of {user}", TRAINING)
         if implementations:
             for name, (make, note, rank) in list(self.optimizers.items()):
@@ -156,7 +187,7 @@ class PlanSearch:
                 if name in self.optimizer_libraries:  # (the hooks are PyTorch's: the recipe registers them)
                     self.optimizer_libraries[f"{name}, in backward"] = self.optimizer_libraries[name]
             # Yours with its state and step on the host (torchao), as fused as a fused=True step: rounding-level.
-            for name, make, note, gradients in host.host_variants(make_optimizer, device, gpus):
+            for name, make, note, gradients in host_variants(make_optimizer, device, gpus):
                 self.optimizers[name] = (make, note, ROUNDING)
                 self.optimizer_libraries[name] = ("torchao",)
                 self.host[name] = gradients
@@ -179,7 +210,7 @@ class PlanSearch:
         self.loras = [(False, False)]
         if lora and self.facts.lora_targets and gpus == 1:
             self.loras += [(True, False)] + ([(True, True)] if self.facts.qlora_shapes else [])
-        self.host_limit = host_memory if host_memory is not None else TYPICAL_HOST_MEMORY
+        self.host_limit = self.host_memory if self.host_memory is not None else TYPICAL_HOST_MEMORY
         self.chunks = [False, True] if self.facts.head_flops else [False]
         self.predictions = 0
         self.floors: dict[tuple[str, str], dict] = {}
@@ -603,7 +634,7 @@ class PlanSearch:
                 continue
             if self.host_memory is not None and host.host_bound(self, c) > self.host_memory:
                 self.pruned(c, f"its copies on the host alone need {format_bytes(host.host_bound(self, c))}, more "
-                               f"than host_memory {format_bytes(self.host_memory)}")
+                               f"than the host's memory {format_bytes(self.host_memory)}")
                 continue
             if self.configuration(c) not in self.phases:
                 self.prefix(c)
@@ -749,8 +780,8 @@ class PlanSearch:
             if self.cost(r) > SLOW * fastest:
                 why.append(f"{self.cost(r) / fastest:.1f}x the fastest fitting recipe's cost (over {SLOW:g}x)")
             if r.host_peak is not None and r.host_peak > limit:
-                where = "host_memory" if self.host_memory is not None else \
-                    "Colab's host, a typical one; plan(host_memory=...) says yours"
+                where = "the host's memory" if self.host_memory is not None else \
+                    "Colab's host, a typical one; plan(host=Host(memory=...)) says yours"
                 why.append(f"its host needs {format_bytes(r.host_peak)}, over the {format_bytes(limit)} of {where}")
             return "; ".join(why)
 
