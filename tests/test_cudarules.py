@@ -338,3 +338,50 @@ def test_the_dropout_rule_keeps_the_values_and_leaves_other_dropouts_and_the_cpu
     assert type(on_gpu.grad_fn).__name__ == "NativeDropoutBackward0"
     assert nn.functional.dropout is functional and torch.dropout is torch_dropout
     assert type(nn.functional.dropout(x, 0.25).grad_fn).__name__ == "MulBackward0"  # the CPU's own, outside
+
+
+def test_a_long_reduction_over_the_batch_stages_partial_sums_as_reduce_cuh_sizes_them():
+    """Device: cpu. aten/src/ATen/native/cuda/Reduce.cuh, worked by hand for the bias gradient of a 4096-wide Linear
+    over a batch of 8192 (sum over dim 0 of a row-major (8192, 4096) tensor) on sm90 (132 multiprocessors, 2048
+    threads each): the reduced dimension is not the fastest-moving one, so outputs are vectorized by 4
+    (get_output_vec_size), the block is 32 x 4 threads (512 / 4 at most), lanes split the outputs (step_output 32)
+    and warps the 8192 inputs (2048 values a thread, at least 256: split across blocks too). grid.x = 4096 / 4 / 32,
+    target_grid_size = 132 x (2048 / 128), ctas_per_output = max(min(ceil(target / grid.x), ceil(2048 / 16)),
+    ceil(2048 / 256)); global_memory_size() = 4 (float accumulator) x 4096 outputs x ctas x block.x x 4, and
+    semaphore_size() = 4 x grid.x."""
+    from gpukit.cudarules import reduction_staging_blocks
+
+    grid = 4096 // 4 // 32
+    target = 132 * (2048 // (32 * 4))
+    ctas = max(min(-(-target // grid), 2048 // 16), 2048 // 256)
+    assert ctas == 66
+    expected = [4 * 4096 * ctas * 32 * 4, 4 * grid]
+    gradient = torch.empty(8192, 4096)
+    assert reduction_staging_blocks(gradient, [0]) == expected  # 132 MiB and 128 bytes
+    assert reduction_staging_blocks(gradient.half(), [0]) == expected  # float16 accumulates in float32 too
+    assert reduction_staging_blocks(torch.empty(64, 128, 4096), [0, 1]) == expected  # coalesced into one dimension
+    assert reduction_staging_blocks(gradient, [1]) == []  # along the fastest-moving dimension: not modelled
+    assert reduction_staging_blocks(torch.empty(256, 4096), [0]) == []  # 64 values a thread: no split across blocks
+    # a T4: 40 multiprocessors of 1024 threads; target_grid_size = 40 x (1024 / 128) = 320, ctas = 10
+    assert reduction_staging_blocks(gradient, [0], (7, 5)) == [4 * 4096 * 10 * 32 * 4, 4 * grid]
+    assert reduction_staging_blocks(gradient, [0], (8, 6)) is None  # the A10G's multiprocessors: not known here
+
+
+def test_the_staging_buffer_is_live_in_the_predicted_step_during_the_bias_gradients_sum():
+    """Device: cpu. A Linear(64, 4096) over a batch of 8192 with a mean loss: its backward's peak is the sum of the
+    (8192, 4096) gradient into the bias's, during which CUDA holds the staging blocks above (Reduce.cuh,
+    gpu_reduce_kernel, after the output). The CUDA step's peak is the CPU's plus those blocks, each rounded to 512
+    bytes; a capability whose multiprocessors are not known names the sum as unmodelled and adds nothing."""
+    from gpukit.cudarules import reduction_staging_blocks
+
+    model = lambda: nn.Linear(64, 4096)
+    sgd = lambda q: torch.optim.SGD(q, lr=0.1)  # plain SGD: CUDA's foreach step makes no temporaries either
+    batch = lambda: torch.randn(8192, 64)
+    step = lambda m, o, x: (o.zero_grad(), m(x).mean().backward(), o.step())
+    staged = sum(round_up(n) for n in reduction_staging_blocks(torch.empty(8192, 4096), [0]))
+    h100 = predict(model, sgd, batch, step, card="h100", breakdown=False)
+    cpu = predict(model, sgd, batch, step, device="cpu", breakdown=False)
+    assert h100.step_peak - cpu.step_peak == staged == 132 * 2**20 + 512
+    a10g = predict(model, sgd, batch, step, card="a10g", breakdown=False)
+    assert a10g.step_peak == cpu.step_peak
+    assert "aten.sum.dim_IntList" in a10g.unverified_ops

@@ -324,9 +324,11 @@ def test_dropout_on_the_simulated_gpu_keeps_the_fused_kernels_bool_mask_as_predi
     the CPU, F.dropout is the composite that keeps a noise tensor of the input's dtype; a CUDA tensor takes the fused
     native_dropout, which keeps a bool mask (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable). The
     simulated GPU keeps the mask: its peak is predict's for the T4 to the byte, and 1024 x 1024 x (4 - 1) bytes below
-    the CPU's own (the workspaces aside), the float32 noise tensor being live at the peak."""
+    the CPU's own (the workspaces aside), the float32 noise tensor being live at the peak. The Linear has no bias: a
+    bias's gradient, summed over the 1024 rows, would make the peak the T4's reduction staging buffer (8 MiB,
+    gpukit.cudarules: Reduce.cuh's global_memory_size) and no longer the mask's."""
     n = 1024
-    model = lambda: torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Dropout(0.1))
+    model = lambda: torch.nn.Sequential(torch.nn.Linear(n, n, bias=False), torch.nn.Dropout(0.1))
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)
     batch = lambda: (torch.randn(n, n), torch.randint(0, n, (n,)))
     simulated = predict_offload(model, sgd, batch, card="t4")

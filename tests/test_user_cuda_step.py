@@ -11,6 +11,11 @@ step peaks at the start of backward (``A = B * D`` elements an activation):
   casts and keeps for backward: the input's 16-bit copy (``A * 2``) and each layer's weight and bias (``L * (D * D +
   D) * 2``). What the peak holds besides differs by at most one layer's float32 weight gradient (a weight's
   gradient is made in 16 bits, then cast to float32 to accumulate).
+* On a card the peak is a moment later, in the last layer's backward: the sum of its bias's gradient over the batch,
+  while CUDA's reduction kernel holds its staging buffer ``S`` (gpukit.cudarules: Reduce.cuh's
+  ``global_memory_size``, the same for float32 and 16-bit gradients: the accumulator is float32), over that layer's
+  weight gradient in the step's type. The weight gradients halve with the rest, so the 16-bit peak is half the
+  float32 one plus ``S / 2`` and what autocast keeps.
 * A GradScaler keeps its scale (float32) and growth tracker (int32) from step to step: 0-dimensional tensors, one
   512-byte block each on CUDA (the allocator's smallest). Its unscale holds four more for a moment: the inverse
   scale and found_inf, and a per-device copy of each.
@@ -23,6 +28,9 @@ import pytest
 import torch
 from torch import nn
 
+from gpukit.cards import card as card_named
+from gpukit.counter import round_up
+from gpukit.cudarules import reduction_staging_blocks
 from gpukit.estimate import predict
 from gpukit.offload import predict_offload
 
@@ -117,7 +125,9 @@ def test_float16_autocast_keeps_the_activations_in_half(card):
         full = predict(mlp, sgd, batch, step_with(), device="cuda", card=card)
         half = predict(mlp, sgd, batch, step_with(fp16), device="cuda", card=card)
     assert half.before_step == full.before_step  # autocast keeps the model's state in float32
-    theory = full.step_peak // 2 + A * 2 + L * (D * D + D) * 2
+    staged = sum(round_up(n) for n in reduction_staging_blocks(torch.empty(B, D), [0], card_named(card or "h100")
+                                                               .compute_capability))
+    theory = (full.step_peak + staged) // 2 + A * 2 + L * (D * D + D) * 2
     assert abs(half.step_peak - theory) <= (D * D + D) * 4
     assert full.step_peak - half.step_peak >= L * A * 2 - A * 2 - L * (D * D + D) * 2 - (D * D + D) * 4
     assert half.unverified_ops == {} and half.unfollowed == {}
