@@ -222,7 +222,10 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     budget = plain - 1 if kind != "AdamW8bit (bitsandbytes)" else \
         min(r.need for r in rows if r.candidate.optimizer.startswith("yours: AdamW")) - 1
     p = small_plan(budget, alternatives=0, **options)
-    assert p.choice is not None and kind in p.choice.candidate.label + p.choice.candidate.optimizer
+    # AdamW8bit stepped after backward and stepped in it cost the same within the plan's 5% tie; on a CPU the time
+    # measured decides between them, so a loaded machine may pick either: the recipe is read as the one chosen.
+    chosen = p.choice.candidate.label + p.choice.candidate.optimizer if p.choice is not None else ""
+    assert kind in chosen
     assert p.verification.ran and p.verification.fitted and p.verification.measured_peak == p.choice.peak
     vocab = options.get("vocab", 256)
     batch = text_batch(*options.get("batch", (2, 12)), vocab=vocab)
@@ -231,7 +234,7 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     trained = scope["model"]
     learned = [p for p in trained.parameters() if p.requires_grad]
     assert all(p.isfinite().all() for p in trained.parameters())
-    if "in backward" in kind:  # PyTorch's own recipe, printed: one optimizer a parameter, stepped from its hook
+    if "in backward" in chosen:  # PyTorch's own recipe, printed: one optimizer a parameter, stepped from its hook
         assert "gpukit" not in p.code and "optimizer.step()" not in p.code
         states = [st for one in scope["optimizers"].values() for st in one.state.values()]
     else:
