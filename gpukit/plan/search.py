@@ -31,7 +31,7 @@ from .candidates import (
     Candidate,
     Row,
 )
-from . import host
+from . import host as host_steps  # not `host`: plan's host=, a Host, shares that name
 from .host import host_variants
 from .params import DEFAULT_CARD, Host, Techniques, named, resolve_card
 from .facts import (QLORA_PRECISIONS, eight_bit_optimizer, is_adam_like, model_facts, optimizer_name,
@@ -305,7 +305,7 @@ class PlanSearch:
             extra += c.accumulate * per_element * sum(self.facts.qlora_shapes) / self.memory_bw
         extra += copy_bytes / self.host_bw
         if c.optimizer in self.host:  # the optimizer step on the host (the GPU's own optimizer step is not counted)
-            extra += host.step_seconds(self, c)
+            extra += host_steps.step_seconds(self, c)
         return 1.0 + extra / step_seconds
 
     def candidates(self) -> list[Candidate]:
@@ -315,7 +315,7 @@ class PlanSearch:
             for precision in self.precisions:
                 if precision == "half" and self.adam_like[opt]:
                     continue  # eps (1e-8) is 0 in float16 and the second moment underflows: not safe
-                if opt in self.host and precision not in host.HOST_PRECISIONS:
+                if opt in self.host and precision not in host_steps.HOST_PRECISIONS:
                     continue  # no autocast on the simulated GPU; fp16's GradScaler and half() not with torchao
                 if in_backward and precision == "fp16":
                     continue  # a GradScaler unscales and checks every gradient before any step
@@ -346,7 +346,7 @@ class PlanSearch:
 
     def host_copies(self, c: Candidate) -> int:
         """Bytes a host-offload optimizer copies in one step (gradients to the host, weights back); 0 for others."""
-        return host.copy_bytes(self, c) if c.optimizer in self.host else 0
+        return host_steps.copy_bytes(self, c) if c.optimizer in self.host else 0
 
     def key(self, c: Candidate, copy_bytes: int | None) -> tuple:
         """The order candidates are predicted in: by tier (``tier``), then estimated cost (``copy_bytes``, the
@@ -407,7 +407,7 @@ class PlanSearch:
             key = (self.same_state[c.optimizer], WEIGHTS[c.precision], c.lora, c.qlora)
             c = replace(c, optimizer=self.same_state[c.optimizer])
         if key not in self.states and c.optimizer in self.host:
-            self.states[key] = host.state_info(self, c)
+            self.states[key] = host_steps.state_info(self, c)
         if key not in self.states:
             info: dict = {}
             rules = CudaRules(self.card.compute_capability) if self.card is not None else CudaRules()
@@ -476,7 +476,7 @@ class PlanSearch:
         if c in self.rows and self.rows[c].need is not None:
             return self.rows[c]
         if c.optimizer in self.host:
-            return host.evaluate(self, c)
+            return host_steps.evaluate(self, c)
         rank, note, tol = self.numerics(c)
         micro = self.rank_batch // c.accumulate
         proxy_k = 1 if c.accumulate == 1 else 2
@@ -632,8 +632,9 @@ class PlanSearch:
                 else:
                     heapq.heappush(heap, (self.key(c, self.copy_bytes(c)), i, c, "exact"))
                 continue
-            if self.host_memory is not None and host.host_bound(self, c) > self.host_memory:
-                self.pruned(c, f"its copies on the host alone need {format_bytes(host.host_bound(self, c))}, more "
+            on_host = host_steps.host_bound(self, c) if self.host_memory is not None else 0
+            if self.host_memory is not None and on_host > self.host_memory:
+                self.pruned(c, f"its copies on the host alone need {format_bytes(on_host)}, more "
                                f"than the host's memory {format_bytes(self.host_memory)}")
                 continue
             if self.configuration(c) not in self.phases:
