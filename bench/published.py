@@ -16,6 +16,7 @@ Writes bench/out/published.csv and prints the table.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -462,16 +463,10 @@ class _SoftmaxKeepingItsInput(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def softmax_keeping_its_input():
-    """An experiment: ``F.softmax`` in training keeping its input for backward, as torch 1.10 did (2022's runs)."""
+def _softmax_replaced(softmax):
+    """``F.softmax`` replaced by ``softmax(original, x, ...)`` while the block runs, the original put back after."""
     original = torch.nn.functional.softmax
-
-    def softmax(x, dim=None, _stacklevel=3, dtype=None):
-        if dtype is None and x.requires_grad:
-            return _SoftmaxKeepingItsInput.apply(x, dim)
-        return original(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
-
-    torch.nn.functional.softmax = softmax
+    torch.nn.functional.softmax = functools.partial(softmax, original)
     try:
         yield
     finally:
@@ -479,21 +474,28 @@ def softmax_keeping_its_input():
 
 
 @contextlib.contextmanager
+def softmax_keeping_its_input():
+    """An experiment: ``F.softmax`` in training keeping its input for backward, as torch 1.10 did (2022's runs)."""
+    def softmax(original, x, dim=None, _stacklevel=3, dtype=None):
+        if dtype is None and x.requires_grad:
+            return _SoftmaxKeepingItsInput.apply(x, dim)
+        return original(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    with _softmax_replaced(softmax):
+        yield
+
+
+@contextlib.contextmanager
 def softmax_in_float32():
     """An experiment, not a fix: ``F.softmax`` of a float16 tensor under CPU autocast taken in float32, as CUDA
     autocast takes it (cast up, run, float32 out)."""
-    original = torch.nn.functional.softmax
-
-    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+    def softmax(original, x, dim=None, _stacklevel=3, dtype=None):
         if dtype is None and x.dtype == torch.float16 and torch.is_autocast_enabled("cpu"):
             return original(x.float(), dim=dim)
         return original(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
-    torch.nn.functional.softmax = softmax
-    try:
+    with _softmax_replaced(softmax):
         yield
-    finally:
-        torch.nn.functional.softmax = original
 
 
 def main(configs: list[Config] = CONFIGS) -> list[dict]:
