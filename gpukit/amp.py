@@ -21,8 +21,8 @@ runs them as the card does, and prints nothing:
   for a card is the card's autocast: torch's own CUDA path through ``__init__`` (with no dtype named, CUDA's
   default, ``torch.get_autocast_dtype("cuda")``: float16; bfloat16 on every card, as ``torch.cuda.is_bf16_supported``
   answers on one: natively from sm80, emulated below). While it is entered the fake tensors' own device autocasts
-  with the same dtype and on/off: CPU autocast on the fake CPU tensors of ``predict(device="cuda")``, with
-  ``gpukit.cudarules`` naming the ops of CUDA's float32 lists. ``torch.autocast("meta")`` in ``predict_offload`` (a
+  with the same dtype and on/off: CPU autocast on the fake CPU tensors of ``predict(device="cuda")``, running
+  CUDA's op lists (``gpukit.cuda_autocast``). ``torch.autocast("meta")`` in ``predict_offload`` (a
   step that says ``x.device.type``) is the GPU's autocast there.
 * A ``GradScaler`` of any device is run as the card runs it, from a fresh start on the prediction's fake device
   (the loss's): its scale (float32) and growth tracker (int32), made by the first ``scale()`` and kept from step to

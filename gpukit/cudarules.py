@@ -59,16 +59,14 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   ``unmodelled`` and the prediction is a lower bound.
 
 * Autocast: the step's ``torch.autocast`` runs on the fake CPU tensors as CPU autocast (``torch.autocast("cuda")``
-  too, with its dtype: ``gpukit.amp``, which also runs the step's GradScaler as the card does). Its weight cache is
-  CUDA's: ``cached_cast`` (aten/src/ATen/autocast_mode.cpp) keeps the lower-precision copy of a float32 leaf
-  that requires grad for the whole autocast region on every device type alike, so each weight is cast once
-  per forward, as on CUDA. Its op lists are not CUDA's: ``torch.autocast("cuda")`` runs the ops of its
-  float32 lists (aten/src/ATen/autocast_mode.h, ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``:
-  layer and group norm, softmax and log-softmax, the losses, exp, log, pow, sum...) in float32, where CPU
-  autocast leaves several of them in bfloat16 or float16. Such an op, met under autocast with lower-precision
-  inputs, is named in ``unmodelled``: its output and what it saves are counted at half their CUDA size, so
-  the prediction is a lower bound. Ops CUDA runs in lower precision and CPU autocast in float32 (``addmv``,
-  ``addr``, ``mv``, the fused RNN cells) are counted in float32: high, not flagged.
+  too, with its dtype: ``gpukit.amp``, which also runs the step's GradScaler as the card does), with CUDA's op
+  policy in place of CPU autocast's (``gpukit.cuda_autocast``, read from the installed
+  ``include/ATen/autocast_mode.h``): layer and group norm, softmax and log-softmax, the losses, exp, log, pow and
+  sum in float32; ``mv``, ``addr`` and the RNN cells in the lower precision; a float16 softmax to float32 without
+  a copy of its input (SoftMax.cpp). Its weight cache is CUDA's: ``cached_cast`` (aten/src/ATen/autocast_mode.cpp)
+  keeps the lower-precision copy of a float32 leaf that requires grad for the whole autocast region, so each
+  weight is cast once per forward. Where torch's headers are not installed, CPU autocast's lists run and are
+  named in ``unmodelled``.
 
 * Reductions' staging buffer (aten/src/ATen/native/cuda/Reduce.cuh, ``setReduceConfig``, ``gpu_reduce_kernel``):
   ``sum`` and ``mean`` over some dimensions run ``gpu_reduce_kernel`` (ReduceSumProdKernel.cu, ReduceMomentKernel.cu;
@@ -110,6 +108,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 from .counter import FAKE_LEDGER
+from .cuda_autocast import CudaAutocast
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
@@ -310,24 +309,6 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ha
     return "math"
 
 
-# torch.autocast("cuda")'s float32 lists (aten/src/ATen/autocast_mode.h: AT_FORALL_FP32,
-# AT_FORALL_FP32_SET_OPT_DTYPE, and norm's fp32_append_dtype), by the names the ops have where a dispatch mode
-# sees them: below CompositeImplicit decompositions (softmax -> _softmax, nll_loss -> nll_loss_forward,
-# layer_norm -> native_layer_norm, cdist -> _cdist_forward).
-_AUTOCAST_CUDA_FP32 = {
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
-    "group_norm", "native_group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
-    "cosine_embedding_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
-    "multilabel_margin_loss", "multilabel_margin_loss_forward", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "_pdist_forward", "cdist",
-    "_cdist_forward", "renorm", "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
-    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
-    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
-    "_upsample_bicubic2d_aa", "prod", "softmax", "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum",
-    "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm",
-}
 _LOWER = (torch.float16, torch.bfloat16)
 
 
@@ -355,21 +336,39 @@ class CudaRules(TorchDispatchMode):
             out = enter(ac)
             if threading.get_ident() == here:  # the step's thread; another thread's autocast is not the step's
                 regions.append(torch.is_autocast_enabled("cpu"))  # read here, outside any dispatch
+                if regions[-1] and policy is not None and policy.policy is None:
+                    self.unmodelled["autocast"] = (
+                        "torch.autocast('cuda') ran CPU autocast's op lists: CUDA's (include/ATen/autocast_mode.h) "
+                        "are not installed with this torch. CUDA runs softmax, layer norm and the losses in float32")
             return out
 
         def exited(ac, *exc):
             if regions and threading.get_ident() == here:
                 regions.pop()
-            return exit_(ac, *exc)
+            try:
+                return exit_(ac, *exc)
+            finally:
+                if not regions and policy is not None:
+                    policy.clear_cache()  # torch clears its own cast cache as the outermost region exits
 
+        # The fake CPU tensors stand for the GPU: CPU autocast runs CUDA's op policy (gpukit.cuda_autocast).
+        # (gpukit.offload's GPU, meta, has no autocast: its regions run in float32, named there.)
+        policy = self._policy = CudaAutocast() if self.gpu is None else None
         cls.__enter__, cls.__exit__ = entered, exited
         self._math = _MathAttention(self.capability, self.sdpa)  # no cycle back: the rules die with the step
         self._math.__enter__()
         self._dropout = _FusedDropout(self.gpu)
         try:
             self._dropout.__enter__()
+            try:
+                if policy is not None:
+                    policy.__enter__()
+            except BaseException:
+                self._dropout.__exit__(None, None, None)
+                raise
         except BaseException:
             self._math.__exit__(None, None, None)
+            cls.__enter__, cls.__exit__ = self._saved
             raise
         return super().__enter__()
 
@@ -380,9 +379,13 @@ class CudaRules(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             try:
-                self._dropout.__exit__(*exc)
+                if self._policy is not None:
+                    self._policy.__exit__(*exc)
             finally:
-                self._math.__exit__(*exc)
+                try:
+                    self._dropout.__exit__(*exc)
+                finally:
+                    self._math.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -398,15 +401,6 @@ class CudaRules(TorchDispatchMode):
             out = self._attention(func, args, kwargs, out)
         elif name in _CUDNN_WORKSPACE:
             self.unmodelled[str(func)] = _CUDNN_WORKSPACE[name]
-        elif (name in _AUTOCAST_CUDA_FP32 and self._autocast and self._autocast[-1] and str(func) not in self.unmodelled
-              and current_autograd_node() is None):
-            low = next((a.dtype for a in tree_flatten((args, kwargs))[0]
-                        if isinstance(a, torch.Tensor) and a.dtype in _LOWER), None)
-            if low is not None:
-                self.unmodelled[str(func)] = (
-                    f"torch.autocast('cuda') runs {name} in float32 (its float32 list, aten/src/ATen/autocast_mode.h); "
-                    f"CPU autocast ran it in {str(low).replace('torch.', '')} here: its output and what it saves "
-                    "are counted at half their CUDA size")
         if str(func) in _REDUCTIONS:
             self._reduction_staging(func, args, kwargs, out)
         return out
