@@ -22,7 +22,7 @@ runs ``mv``, ``addr`` and the RNN cells in float32 where CUDA runs them in the l
 
 The kernels are registered through ``torch.library`` for the region of the prediction and removed after it, which
 puts CPU autocast's own kernels back. ``cuda_policy()`` is None where the header is missing (an install without
-torch's headers); the caller then names CPU autocast's lists in what it could not model.
+torch's headers) or unreadable; the caller then names CPU autocast's lists in what it could not model.
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ def parse_header(text: str) -> dict[str, str]:
 
 @functools.cache
 def cuda_policy() -> dict[str, str] | None:
-    """CUDA autocast's policy of each op it registers a kernel for, for the torch in use; None without the header."""
+    """CUDA autocast's policy of each op it registers a kernel for, for the torch in use; None where the header is
+    missing or its lists are not the ones this module reads (a torch of another layout)."""
     try:
-        text = HEADER.read_text()
-    except OSError:
+        return {**parse_header(HEADER.read_text()), **CPP_ONLY}
+    except (OSError, ValueError):
         return None
-    return {**parse_header(text), **CPP_ONLY}
 
 
 def cpu_autocast_ops() -> set[str]:

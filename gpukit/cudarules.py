@@ -338,8 +338,8 @@ class CudaRules(TorchDispatchMode):
                 regions.append(torch.is_autocast_enabled("cpu"))  # read here, outside any dispatch
                 if regions[-1] and policy is not None and policy.policy is None:
                     self.unmodelled["autocast"] = (
-                        "torch.autocast('cuda') ran CPU autocast's op lists: CUDA's (include/ATen/autocast_mode.h) "
-                        "are not installed with this torch. CUDA runs softmax, layer norm and the losses in float32")
+                        "torch.autocast('cuda') ran CPU autocast's op lists: CUDA's (torch's include/ATen/autocast_mode.h) "
+                        "could not be read. CUDA runs softmax, layer norm and the losses in float32")
             return out
 
         def exited(ac, *exc):

@@ -192,3 +192,13 @@ def test_a_predicted_softmax_under_cuda_autocast_is_float32_and_copies_its_input
     cpu = predict(*make, softmax_step("cpu", dtype), device="cpu", breakdown=False)
     assert not cuda.lower_bound, cuda.unverified_ops
     assert cuda.peak - cuda.workspaces - cpu.peak == n * n * extra  # (a multiple of the 512-byte block)
+
+
+def test_without_the_header_cpu_autocasts_lists_run_and_are_named(monkeypatch):
+    """Device: none. A torch installed without its headers (or with lists of another layout): the step's autocast
+    runs CPU autocast's lists, and the prediction says so and is a lower bound."""
+    monkeypatch.setattr(ca, "cuda_policy", lambda: None)
+    n = 256
+    make = (lambda: nn.Linear(n, n), lambda q: torch.optim.SGD(q, lr=0.1), lambda: (torch.randn(n, n),))
+    p = predict(*make, softmax_step("cuda", torch.float16), card="h100", breakdown=False)
+    assert p.lower_bound and "could not be read" in p.unverified_ops["autocast"]
