@@ -289,6 +289,32 @@ def check_optimizer(optimizer: Any) -> None:
             f"make_optimizer returned an optimizer ({name}) over real tensors, not over the parameters it was "
             "given: one that already exists, which a prediction would step. It is left as it is; build a new one "
             f"from the parameters given: lambda params: {where}(params, ...)")
+    refuse_unpredictable_optimizer(optimizer)
+
+
+# torchao.optim's optimizers whose state is a quantised tensor subclass, stepped by torch.compile(fullgraph=True)
+# (torchao/optim/adam.py, _AdamBase.step: single_param_adam). Dynamo compiles nothing while a dispatch mode runs,
+# and fullgraph=True makes that an error: the fake step cannot run them.
+TORCHAO_LOW_BIT = {"Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8"}
+
+
+class UnsupportedOptimizer(NotImplementedError):
+    """An optimizer a prediction cannot run: the message names its library and what to do instead."""
+
+
+def refuse_unpredictable_optimizer(optimizer: Any) -> None:
+    """Raise ``UnsupportedOptimizer`` for an optimizer whose step cannot run on fake tensors (torchao's low-bit
+    optimizers), before any step: never a fake-tensor exception from inside the library."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torchao.optim") and cls.__name__ in TORCHAO_LOW_BIT:
+        bits = "8-bit" if "8bit" in cls.__name__ else "4-bit" if "4bit" in cls.__name__ else "FP8"
+        raise UnsupportedOptimizer(
+            f"torchao.optim.{cls.__name__} cannot be predicted: its step is torch.compile(fullgraph=True) over "
+            f"{bits} state tensors, and torch.compile does not run under the fake tensors a prediction steps with. "
+            "Instead: predict bitsandbytes.optim.AdamW8bit, whose 8-bit state plan() and predict() count "
+            "(torchao's 8-bit state is the same 1 byte a value, in blocks of 256 with a float32 scale each); or "
+            "predict torch.optim.AdamW and count its two float32 moments at the state's width; or measure the "
+            "step on a GPU with %%gpumem.")
 
 
 def _tensors(model: nn.Module) -> dict[int, torch.Tensor]:

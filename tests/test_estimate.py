@@ -527,3 +527,20 @@ def test_an_integer_read_from_weights_while_building_is_named_by_the_prediction_
     p = predict(lambda: _TruncNormalViT(int_read=True), lambda q: torch.optim.SGD(q, lr=0.1), make_batch)
     assert p.lower_bound and "integer value(s) read from tensors while building" in \
         p.unverified_ops["aten._local_scalar_dense"]
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_torchaos_low_bit_optimizers_are_refused_by_name_with_what_to_do_instead(name):
+    """Device: none. torchao's low-bit optimizers step through torch.compile(fullgraph=True), which cannot run under
+    the fake tensors' dispatch modes: predict() and predict_offload() refuse them before any step, naming the
+    library and the alternatives, never with a fake-tensor exception from inside torchao."""
+    optim = pytest.importorskip("torchao.optim")
+    from gpukit.factories import UnsupportedOptimizer
+    from gpukit.offload import predict_offload
+
+    make = (lambda: torch.nn.Linear(16, 4), lambda p: getattr(optim, name)(p),
+            lambda: (torch.randn(2, 16), torch.zeros(2, dtype=torch.long)))
+    for run in (lambda: predict(*make, device="cpu"), lambda: predict(*make, card="t4"),
+                lambda: predict_offload(*make, card="t4")):
+        with pytest.raises(UnsupportedOptimizer, match=rf"torchao\.optim\.{name} cannot be predicted.*bitsandbytes"):
+            run()
