@@ -411,38 +411,31 @@ CPU_DROPOUT: dict[str, float] = {
     f"{BERT}, batch 4, Adam8bit": +0.66,
     f"{BERT}, batch 1 x 4, checkpointing, fp16, Adam8bit": +0.26,
 }
-# And the experiments (`python3 bench/published.py --softmax-float32`, then `--torch-1.10`): the error with softmax
-# in float32 as CUDA autocast runs it (the fp16 rows; None for the float32 ones), then with softmax also keeping its
-# input for backward as the torch of 2022 did.
-EXPERIMENTS: dict[str, tuple[float | None, float]] = {
-    f"{BERT}, batch 4, AdamW": (None, -0.23),
-    f"{BERT}, batch 1 x 4 accumulated": (None, -1.11),
-    f"{BERT}, batch 1 x 4 accumulated, checkpointing": (None, -0.09),
-    f"{BERT}, batch 4, fp16": (-14.06, -3.13),
-    f"{BERT}, batch 1 x 4, checkpointing, fp16": (-1.29, -1.29),
-    f"{BERT}, batch 4, Adafactor": (None, +0.42),
-    f"{BERT}, batch 1 x 4, checkpointing, fp16, Adafactor": (+0.12, +0.21),
-    f"{BERT}, batch 4, Adam8bit": (None, +0.38),
-    f"{BERT}, batch 1 x 4, checkpointing, fp16, Adam8bit": (+0.56, +0.34),
+# And the experiment (`python3 bench/published.py --torch-1.10`): the error with softmax also keeping its input for
+# backward, as the torch of 2022 did (under autocast the float32 copy that autocast made of it).
+TORCH_110: dict[str, float] = {
+    f"{BERT}, batch 4, AdamW": -0.23,
+    f"{BERT}, batch 1 x 4 accumulated": -1.11,
+    f"{BERT}, batch 1 x 4 accumulated, checkpointing": -0.09,
+    f"{BERT}, batch 4, fp16": -3.13,
+    f"{BERT}, batch 1 x 4, checkpointing, fp16": -1.29,
+    f"{BERT}, batch 4, Adafactor": +0.42,
+    f"{BERT}, batch 1 x 4, checkpointing, fp16, Adafactor": +0.37,
+    f"{BERT}, batch 4, Adam8bit": +0.38,
+    f"{BERT}, batch 1 x 4, checkpointing, fp16, Adam8bit": +0.34,
 }
 
 
 def _experiment_note(name: str) -> str:
-    softmax_f32, torch_110 = EXPERIMENTS[name]
-    note = f"with the CPU's dropout (its noise tensor), as predicted before: {CPU_DROPOUT[name]:+.2f}%"
-    if softmax_f32 is not None:
-        note += f"; softmax in float32 as on CUDA: {softmax_f32:+.2f}%"
-    and_ = "and " if softmax_f32 is not None else ""
-    return note + f"; {and_}softmax keeping its input (torch 1.10): {torch_110:+.2f}%"
+    return (f"with the CPU's dropout (its noise tensor), as predicted before: {CPU_DROPOUT[name]:+.2f}%; "
+            f"softmax keeping its input (torch 1.10): {TORCH_110[name]:+.2f}%")
 
 
 # Why a configuration misses the goal, or what its agreement rests on, as far as it was found out.
-NOTES: dict[str, str] = {name: _experiment_note(name) for name in EXPERIMENTS}
+NOTES: dict[str, str] = {name: _experiment_note(name) for name in TORCH_110}
 NOTES[f"{BERT}, batch 4, fp16"] = (
-    "low: CUDA autocast runs softmax in float32 (its float32 list, aten/src/ATen/autocast_mode.h), and the fake CPU "
-    "tensors ran CPU autocast's lists, which keep it in float16 (flagged as a lower bound). With softmax taken in "
-    "float32 (--softmax-float32): 11,979 MiB (-14.06%), 856 of the 2,816 MiB missing. W"
-    + _experiment_note(f"{BERT}, batch 4, fp16")[1:])
+    "low: the torch of 2022 kept softmax's input for backward, here the float32 copy CUDA autocast makes of each "
+    "float16 attention matrix (softmax is on its float32 list); w" + _experiment_note(f"{BERT}, batch 4, fp16")[1:])
 
 
 class _SoftmaxKeepingItsInput(torch.autograd.Function):
@@ -478,20 +471,9 @@ def softmax_keeping_its_input():
     """An experiment: ``F.softmax`` in training keeping its input for backward, as torch 1.10 did (2022's runs)."""
     def softmax(original, x, dim=None, _stacklevel=3, dtype=None):
         if dtype is None and x.requires_grad:
+            if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled("cpu"):
+                x = x.float()  # autocast's float32 copy (softmax is on CUDA's float32 list), which 2022's kept
             return _SoftmaxKeepingItsInput.apply(x, dim)
-        return original(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
-
-    with _softmax_replaced(softmax):
-        yield
-
-
-@contextlib.contextmanager
-def softmax_in_float32():
-    """An experiment, not a fix: ``F.softmax`` of a float16 tensor under CPU autocast taken in float32, as CUDA
-    autocast takes it (cast up, run, float32 out)."""
-    def softmax(original, x, dim=None, _stacklevel=3, dtype=None):
-        if dtype is None and x.dtype == torch.float16 and torch.is_autocast_enabled("cpu"):
-            return original(x.float(), dim=dim)
         return original(x, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
     with _softmax_replaced(softmax):
@@ -522,22 +504,13 @@ def summary(rows: list[dict]) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    if "--softmax-float32" in sys.argv:  # the fp16 BERT rows with softmax in float32, as CUDA autocast runs it
-        for config in CONFIGS:
-            if not (config.name.startswith(BERT) and "fp16" in config.name):
-                continue
-            with softmax_in_float32():
-                row = run(config)
-            print(f"{config.name}, softmax in float32: {row['predicted_mib']:,.0f} MiB ({row['error_pct']:+.2f}%)",
-                  flush=True)
-    elif "--torch-1.10" in sys.argv:  # and softmax keeping its input (in float32 under fp16), as 2022's torch did
+    if "--torch-1.10" in sys.argv:  # the BERT rows with softmax keeping its input, as 2022's torch did
         for config in CONFIGS:
             if not config.name.startswith(BERT):
                 continue
-            fp16 = "fp16" in config.name
-            with softmax_keeping_its_input(), softmax_in_float32() if fp16 else contextlib.nullcontext():
+            with softmax_keeping_its_input():
                 row = run(config)
-            print(f"{config.name}, {'softmax in float32, ' if fp16 else ''}softmax keeping its input: "
-                  f"{row['predicted_mib']:,.0f} MiB ({row['error_pct']:+.2f}%)", flush=True)
+            print(f"{config.name}, softmax keeping its input: {row['predicted_mib']:,.0f} MiB "
+                  f"({row['error_pct']:+.2f}%)", flush=True)
     else:
         main()
