@@ -59,25 +59,6 @@ def test_before_the_optimizer_step_every_optimizer_allocates_the_same_but_for_it
         assert len(by_optimizer) >= 4 and len(set(by_optimizer.values())) == 1, (config, by_optimizer)
 
 
-def test_every_bound_from_another_optimizer_is_below_the_candidates_own_prediction():
-    """Device: none (CUDA's rules). Every candidate predicted; then each one's bound from the others' phases
-    (stepped in backward too: bounded by the forward alone) is at most its need, on reserved memory."""
-    search = search_for(gpt_case(), "cuda")
-    rows = [search.evaluate(c) for c in search.candidates()]
-    checked = 0
-    for r in rows:
-        for floor in (False, True):
-            bound = search.phase_bound(r.candidate, floor=floor)
-            assert bound is not None
-            assert bound <= r.need, (r.candidate, floor, bound, r.need)
-            checked += 1
-    in_backward = [r for r in rows if r.candidate.optimizer.endswith(", in backward")]
-    assert in_backward and checked == 2 * len(rows)
-    # Close where the forward and backward dominate: within the optimizer step's own temporaries.
-    plain = next(r for r in rows if r.candidate.optimizer == "yours: AdamW" and r.candidate.label == "plain")
-    assert search.phase_bound(plain.candidate) > 0.9 * plain.peak
-
-
 def test_candidates_pruned_by_the_bound_do_not_fit_and_the_cheapest_is_still_found():
     """Device: none. A budget the plain step misses: the plan prunes candidates by the bound, each of them predicted
     here does not fit, and the choice is the exhaustive search's cheapest."""
@@ -133,7 +114,10 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     to the optimizer step, stopped at the end of its forward, in its middle where the budget is passed, or not at
     all (three budgets), bounds every candidate of the configuration, with any optimizer (stepped in backward too:
     by the forward alone), at most its own need; with the optimizer's state only where every parameter got a
-    gradient. The prefix is read where the step ran to its end: within 10% of the plain step's allocated peak."""
+    gradient. The prefix is read where the step ran to its end: within 10% of the plain step's allocated peak. On the
+    same exhaustive search: on the GPT, every candidate's bound from the other optimizers' phases is below its need
+    (``every_bound_from_another_optimizer_is_below``); on the Llama, a transformers model with the loss it computes,
+    the plan's searches at two budgets never drop the true cheapest (``never_drop_the_true_cheapest``)."""
     make_case, loss, precisions = CASES[name]
     case = make_case()
     if name == "llama":  # the host optimizers' bounds are checked on the GPT (and in tests/test_plan_host.py), and
@@ -162,6 +146,49 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     first = next(c for c in whole.candidates() if c.optimizer == "yours: AdamW" and c.label == "plain")
     whole.prefix(first)
     assert whole.phase_bound(first) > 0.9 * exhaustive.rows[first].peak
+    # And on the same exhaustive search (one search of each model, not two):
+    if name == "gpt":  # every candidate's bound from the other optimizers' phases
+        every_bound_from_another_optimizer_is_below(exhaustive)
+    else:  # what the bounds are for, on a transformers model with the loss it computes
+        never_drop_the_true_cheapest(case, exhaustive, options)
+
+
+def every_bound_from_another_optimizer_is_below(exhaustive: PlanSearch) -> None:
+    """Every candidate predicted; then each one's bound from the others' phases (stepped in backward too: bounded by
+    the forward alone) is at most its need, on reserved memory."""
+    rows = [exhaustive.evaluate(c) for c in exhaustive.candidates()]
+    checked = 0
+    for r in rows:
+        for floor in (False, True):
+            bound = exhaustive.phase_bound(r.candidate, floor=floor)
+            assert bound is not None
+            assert bound <= r.need, (r.candidate, floor, bound, r.need)
+            checked += 1
+    in_backward = [r for r in rows if r.candidate.optimizer.endswith(", in backward")]
+    assert in_backward and checked == 2 * len(rows)
+    # Close where the forward and backward dominate: within the optimizer step's own temporaries.
+    plain = next(r for r in rows if r.candidate.optimizer == "yours: AdamW" and r.candidate.label == "plain")
+    assert exhaustive.phase_bound(plain.candidate) > 0.9 * plain.peak
+
+
+def never_drop_the_true_cheapest(case, exhaustive: PlanSearch, options: dict) -> None:
+    """Budgets between the most and the least any candidate needs: the plan's choice and its need are the exhaustive
+    search's cheapest fitting candidate's, every candidate a bound pruned does not fit, and the plan predicts less
+    than the exhaustive search."""
+    every = {c: exhaustive.evaluate(c) for c in exhaustive.candidates()}
+    most, least = max(r.need for r in every.values()), min(r.need for r in every.values())
+    for fraction in (0.6, 0.1):
+        limit = int(least + (most - least) * fraction)
+        fitting = [r for r in every.values() if r.need <= limit]
+        cheapest = exhaustive.rank_fitting(fitting, note=False)[0]  # (the plan's own ranking)
+        search = search_for(case, "cuda", limit=limit, **options)
+        rows = search.run()
+        choice = next(r for r in rows if r.fits and r.need is not None)
+        assert (choice.candidate, choice.need) == (cheapest.candidate, cheapest.need), fraction
+        for r in rows:
+            if r.need is None and r.bound is not None:
+                assert r.fits is False and limit < r.bound <= every[r.candidate].need, (fraction, r.candidate)
+        assert search.predictions < exhaustive.predictions
 
 
 def prefix_phases(search: PlanSearch, candidates, last_only: bool, monkeypatch) -> dict:
@@ -333,36 +360,6 @@ def test_the_state_without_a_floor_is_the_floors(name):
             for c in cheap.candidates():
                 if c.optimizer == fused:
                     assert cheap.state_info(c)["state"] >= cheap.state_info(replace(c, optimizer=base))["state"] > 0
-
-
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_prefix_bounds_never_drop_the_true_cheapest_of_a_transformers_model(monkeypatch):
-    """Device: none (CUDA's rules). Budgets between the most and the least any candidate needs: the plan's choice and
-    its need are the exhaustive search's cheapest fitting candidate's, every candidate a bound pruned does not fit,
-    and the plan predicts less than the exhaustive search."""
-    case = llama_case()
-    # The host optimizers (their bounds and what the search prunes by them: tests/test_plan_host.py) and the for-loop
-    # and fused steps (the GPT's prefix-bound check above) are left out, as in the prefix-bound test: here they more
-    # than doubled the Llama's exhaustive search (104 candidates, the host's each a two-memory prediction).
-    monkeypatch.setattr(host, "host_variants", lambda *args: [])
-    monkeypatch.setattr(sys.modules["gpukit.plan.search"], "other_implementations", lambda *args: [])
-    # (float16 with its GradScaler is bounded in the test above; here two precisions and two budgets keep it short)
-    options = dict(precisions=("float32", "bf16 weights"), offload=True, loss=resolve_loss("model"))
-    exhaustive = search_for(case, "cuda", **options)
-    every = {c: exhaustive.evaluate(c) for c in exhaustive.candidates()}
-    most, least = max(r.need for r in every.values()), min(r.need for r in every.values())
-    for fraction in (0.6, 0.1):
-        limit = int(least + (most - least) * fraction)
-        fitting = [r for r in every.values() if r.need <= limit]
-        cheapest = exhaustive.rank_fitting(fitting, note=False)[0]  # (the plan's own ranking)
-        search = search_for(case, "cuda", limit=limit, **options)
-        rows = search.run()
-        choice = next(r for r in rows if r.fits and r.need is not None)
-        assert (choice.candidate, choice.need) == (cheapest.candidate, cheapest.need), fraction
-        for r in rows:
-            if r.need is None and r.bound is not None:
-                assert r.fits is False and limit < r.bound <= every[r.candidate].need, (fraction, r.candidate)
-        assert search.predictions < exhaustive.predictions
 
 
 def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
