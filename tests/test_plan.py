@@ -3,6 +3,8 @@ the pruning against an exhaustive search, the pasted code, and bad input. Small 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -119,6 +121,26 @@ def test_the_chosen_recipe_was_verified_by_a_real_step(mlp_plan, gpu_here, monke
     v = p.verification
     assert v.ran and v.fitted and v.measured_peak == p.choice.peak
     assert "fitted" in v.message and p.choice.measured_on == DEVICE
+
+
+def test_on_a_gpu_the_verified_step_is_set_beside_the_prediction_without_the_warm_ups_workspaces(monkeypatch):
+    """Device: none (the real step stood in). On a GPU the warm-up step makes the cuBLAS workspaces before the
+    measured step, whose peak then holds none of them: the verification compares it with the prediction less its
+    workspaces, and says so."""
+    from types import SimpleNamespace
+
+    verify = sys.modules["gpukit.plan.verify"]
+    workspaces, need = 2 * 32 * 2**20, 5 * 2**30
+    monkeypatch.setattr(verify, "_small_enough", lambda search, row: True)
+    monkeypatch.setattr(verify, "_verify_on", lambda search: "cuda")
+    monkeypatch.setattr(verify, "run_candidate", lambda *args, **kwargs: (None, need - workspaces, None))
+    search = SimpleNamespace(device="cuda", limit=8 * 2**30, allowance=2**29, optimizers={"yours: AdamW": (None,)},
+                             make_real_model=None, make_batch=None, loss=None)
+    choice = SimpleNamespace(candidate=Candidate("yours: AdamW"), peak=need, host_peak=None,
+                             prediction=SimpleNamespace(workspaces=workspaces))
+    v = verify.verify_choice(search, choice, None)
+    assert v.fitted and v.measured_peak == v.predicted_peak == need - workspaces
+    assert f"({need - workspaces:,} B) without the cuBLAS workspaces (64.00 MiB)" in v.message
 
 
 def test_measured_costs_rank_the_fitting_recipes_where_they_were_measured(mlp_plan, monkeypatch):

@@ -203,9 +203,15 @@ def verify_choice(search: PlanSearch, choice: Row | None, timing_error: str | No
         measured, fitted = None, False
     predicted = choice.peak
     if here == search.device:
+        # On CUDA the warm-up step made the cuBLAS workspaces before the measured one, so the measured peak holds
+        # none of them: it is set beside the prediction without them.
+        workspaces = choice.prediction.workspaces if choice.prediction is not None else 0
+        predicted -= workspaces
+        without = (f" without the cuBLAS workspaces ({format_bytes(workspaces)}), which the warm-up step made before "
+                   "the measured one" if workspaces else "")
         msg = (f"one real step on {here} under gpukit.budget({format_bytes(limit)}): "
                + (f"fitted; measured peak {format_bytes(measured)} ({measured:,} B), predicted {format_bytes(predicted)}"
-                  f" ({predicted:,} B)" if fitted else "OUT OF MEMORY: the prediction was wrong"))
+                  f" ({predicted:,} B){without}" if fitted else "OUT OF MEMORY: the prediction was wrong"))
     else:
         extra = "; offload saves nothing on a CPU (the host is the device)" if c.offload else ""
         p = choice.prediction
