@@ -20,8 +20,10 @@ runs ``mv``, ``addr`` and the RNN cells in float32 where CUDA runs them in the l
   float (aten/src/ATen/native/SoftMax.cpp: ``_softmax(input, dim, half_to_float=true)`` where ``input.is_cuda()``),
   without the float32 copy of the input that the CPU's path makes; bfloat16 makes the copy on CUDA too.
 
-The kernels are registered through ``torch.library`` for the region of the prediction and removed after it, which
-puts CPU autocast's own kernels back. ``cuda_policy()`` is None where the header is missing (an install without
+The kernels are registered through ``torch.library`` for the region of the prediction and removed after it (also
+when it raises or is interrupted), which puts CPU autocast's own kernels back. The dispatcher's kernels are the
+process's: while a prediction for a GPU runs, CPU autocast in another thread of the process follows CUDA's lists
+too. ``cuda_policy()`` is None where the header is missing (an install without
 torch's headers) or unreadable; the caller then names CPU autocast's lists in what it could not model.
 """
 
