@@ -202,3 +202,20 @@ def test_without_the_header_cpu_autocasts_lists_run_and_are_named(monkeypatch):
     make = (lambda: nn.Linear(n, n), lambda q: torch.optim.SGD(q, lr=0.1), lambda: (torch.randn(n, n),))
     p = predict(*make, softmax_step("cuda", torch.float16), card="h100", breakdown=False)
     assert p.lower_bound and "could not be read" in p.unverified_ops["autocast"]
+
+
+def test_an_interrupted_prediction_puts_cpu_autocasts_own_kernels_back():
+    """Device: none. Ctrl-C inside the step's autocast region: the prediction stops, and CPU autocast runs its own
+    lists again (softmax stays in bfloat16 on the CPU)."""
+    def step(model, optimizer, batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(batch[0]).softmax(-1)
+            raise KeyboardInterrupt
+
+    before = ca.cpu_autocast_ops()
+    with pytest.raises(KeyboardInterrupt):
+        predict(lambda: nn.Linear(8, 8), lambda q: torch.optim.SGD(q, lr=0.1), lambda: (torch.randn(4, 8),), step,
+                card="t4", breakdown=False)
+    assert ca.cpu_autocast_ops() == before
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).softmax(0).dtype == torch.bfloat16
