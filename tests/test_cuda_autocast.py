@@ -219,3 +219,20 @@ def test_an_interrupted_prediction_puts_cpu_autocasts_own_kernels_back():
     assert ca.cpu_autocast_ops() == before
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).softmax(0).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("softmax", ["softmax", "log_softmax"])
+def test_a_small_float16_softmax_to_float32_is_checked_against_the_cpus_stand_in(softmax):
+    """Device: none. At sizes small enough for gpukit.fakecheck to run each op for real, CUDA's float16-to-float32
+    softmax (half_to_float, which the CPU kernel refuses) and its backward are checked against the same computation
+    on the CPU, in float32: the prediction runs, nothing is flagged, and the gradient reaches the weights."""
+    def step(model, optimizer, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = getattr(model(batch[0]), softmax)(-1)
+        assert out.dtype == torch.float32
+        out.sum().backward()
+        assert model.weight.grad is not None
+
+    p = predict(lambda: nn.Linear(8, 8), lambda q: torch.optim.SGD(q, lr=0.1), lambda: (torch.randn(4, 8),), step,
+                card="t4", breakdown=False)
+    assert not p.lower_bound, p.unverified_ops
