@@ -411,6 +411,35 @@ def autocast_enabled(region: torch.autocast) -> bool:
     return bool(getattr(region, "_enabled", False))
 
 
+# --- autocast's kernels (gpukit.cuda_autocast) --------------------------------------------------------------
+_registrations_for = _require(torch._C, "_dispatch_get_registrations_for_dispatch_key", "torch._C")
+_ExcludeDispatchKeyGuard = _require(torch._C, "_ExcludeDispatchKeyGuard", "torch._C")
+_AUTOCAST_CPU = torch._C.DispatchKeySet(_require(torch._C.DispatchKey, "AutocastCPU", "torch._C.DispatchKey"))
+
+
+def ops_with_kernel_for(key: str) -> set[str]:
+    """The ops (``aten::softmax.int``) holding a kernel of their own for dispatch key ``key`` ("AutocastCPU",
+    "AutocastCUDA"); the others fall through it."""
+    return set(_registrations_for(key))
+
+
+def drop_library(lib: torch.library.Library) -> None:
+    """Remove every kernel ``lib`` registered (``Library._destroy``): the dispatcher's earlier ones are in place
+    again."""
+    lib._destroy()
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` views another tensor's storage (``Tensor._is_view``)."""
+    return t._is_view()
+
+
+def below_cpu_autocast():
+    """A guard under which ops skip CPU autocast's kernels, as an autocast wrapper runs its op
+    (aten/src/ATen/autocast_mode.h: ``ExcludeDispatchKeyGuard no_autocast``)."""
+    return _ExcludeDispatchKeyGuard(_AUTOCAST_CPU)
+
+
 # --- storages that grow in place ---------------------------------------------------------------------------
 # UntypedStorage.resize_ changes a storage's size without passing through the dispatcher (FSDP frees and
 # regrows its parameters' storages with it), so the counter wraps it while a measured block is open.
@@ -525,4 +554,5 @@ __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "Dat
            "scaler_device", "start_scaler_afresh", "scaler_tensors", "scaler_init_scale", "autocast_enabled",
            "scaler_step_rule", "set_scaler_step_rule",
            "never_traced",
-           "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags"]
+           "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags",
+           "ops_with_kernel_for", "below_cpu_autocast", "drop_library", "is_view"]

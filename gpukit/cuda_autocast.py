@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ._torch import FakeTensor
+from ._torch import FakeTensor, below_cpu_autocast, drop_library, is_view, ops_with_kernel_for
 
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 LISTS = {  # the header's list -> the cast policy autocast_mode.cpp registers it with for CUDA
@@ -92,7 +92,7 @@ def cuda_policy() -> dict[str, str] | None:
 
 def cpu_autocast_ops() -> set[str]:
     """The ops CPU autocast registers a kernel of its own for (the others fall through)."""
-    return set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+    return ops_with_kernel_for("AutocastCPU")
 
 
 def _overload(qualname: str):
@@ -132,7 +132,7 @@ class CudaAutocast:
                         continue  # an op this build does not have
                     lib.impl(qualname.split("::", 1)[1], self._kernel(op, cast), "AutocastCPU")
         except BaseException:
-            lib._destroy()
+            drop_library(lib)
             raise
         self._lib = lib
         return self
@@ -140,7 +140,7 @@ class CudaAutocast:
     def __exit__(self, *exc) -> None:
         self.clear_cache()
         if self._lib is not None:
-            self._lib._destroy()  # CPU autocast's own kernels are in place again
+            drop_library(self._lib)  # CPU autocast's own kernels are in place again
             self._lib = None
 
     def clear_cache(self) -> None:
@@ -155,7 +155,7 @@ class CudaAutocast:
         if not _eligible(value) or value.dtype == dtype:
             return value
         if (dtype != torch.float32 and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
-                and not value._is_view() and torch.is_autocast_cache_enabled()):
+                and not is_view(value) and torch.is_autocast_cache_enabled()):
             with self._lock:
                 kept = self._cache.get(id(value))
                 if kept is not None and kept[0]() is value:
@@ -166,7 +166,6 @@ class CudaAutocast:
         return value.to(dtype)
 
     def _kernel(self, op, cast: str):
-        exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
         name = op._schema.name.split("::", 1)[1]
 
         if cast == "banned":
@@ -188,7 +187,7 @@ class CudaAutocast:
                     else:
                         args.extend(op._schema.arguments[i].default_value for i in range(len(args), at))
                         args.append(torch.float32)
-                with torch._C._ExcludeDispatchKeyGuard(exclude):
+                with below_cpu_autocast():
                     if (name in ("softmax", "log_softmax") and isinstance(args[0], FakeTensor)
                             and args[0].dtype == torch.float16 and len(args) > 2 and args[2] == torch.float32):
                         # SoftMax.cpp: CUDA reads half and writes float (a real CPU tensor has no such kernel)
@@ -203,7 +202,7 @@ class CudaAutocast:
                               if [a.name for a in getattr(op.overloadpacket, o)._schema.arguments] == names + ["dtype"])
 
             def append_dtype(*args, **kwargs):
-                with torch._C._ExcludeDispatchKeyGuard(exclude):
+                with below_cpu_autocast():
                     if not _eligible(args[0]):
                         return op(*args, **kwargs)
                     full = list(args) + [op._schema.arguments[i].default_value for i in range(len(args), len(names))]
@@ -219,7 +218,7 @@ class CudaAutocast:
                     dtype = _promote_type(dtype, list(args) + list(kwargs.values()))
             args = self._cast(args, dtype)
             kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
-            with torch._C._ExcludeDispatchKeyGuard(exclude):
+            with below_cpu_autocast():
                 return op(*args, **kwargs)
         return cast_policy
 
