@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import library as _operator_registration
 
 CHECKED = ((2, 10), (2, 15))   # the oldest and newest minor versions the suite passed on (both included)
 
@@ -423,10 +424,20 @@ def ops_with_kernel_for(key: str) -> set[str]:
     return set(_registrations_for(key))
 
 
-def drop_library(lib: torch.library.Library) -> None:
-    """Remove every kernel ``lib`` registered (``Library._destroy``): the dispatcher's earlier ones are in place
+def kernel_registry():
+    """A registry of kernels for ATen's existing ops (PyTorch's operator registration API, ``Library("aten",
+    "IMPL")``); ``drop_kernels`` removes what it registered."""
+    return _operator_registration.Library("aten", "IMPL")
+
+
+# The kernel that passes an op on to the next dispatch key, as a key without a kernel of its own does.
+FALLTHROUGH_KERNEL = _operator_registration.fallthrough_kernel
+
+
+def drop_kernels(registry) -> None:
+    """Remove every kernel ``registry`` registered (``Library._destroy``): the dispatcher's earlier ones are in place
     again."""
-    lib._destroy()
+    registry._destroy()
 
 
 def is_view(t: torch.Tensor) -> bool:
@@ -555,4 +566,5 @@ __all__ = ["CHECKED", "UnsupportedTorch", "torch_version", "check_version", "Dat
            "scaler_step_rule", "set_scaler_step_rule",
            "never_traced",
            "dynamo_code_in_question", "let_dynamo_trace_again", "active_fake_mode", "reset_dispatch_mode_flags",
-           "ops_with_kernel_for", "below_cpu_autocast", "drop_library", "is_view"]
+           "ops_with_kernel_for", "below_cpu_autocast", "kernel_registry", "FALLTHROUGH_KERNEL", "drop_kernels",
+           "is_view"]

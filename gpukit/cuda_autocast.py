@@ -20,8 +20,8 @@ runs ``mv``, ``addr`` and the RNN cells in float32 where CUDA runs them in the l
   float (aten/src/ATen/native/SoftMax.cpp: ``_softmax(input, dim, half_to_float=true)`` where ``input.is_cuda()``),
   without the float32 copy of the input that the CPU's path makes; bfloat16 makes the copy on CUDA too.
 
-The kernels are registered through ``torch.library`` for the region of the prediction and removed after it (also
-when it raises or is interrupted), which puts CPU autocast's own kernels back. The dispatcher's kernels are the
+The kernels are registered through PyTorch's operator registration API for the region of the prediction and
+removed after it (also when it raises or is interrupted), which puts CPU autocast's own kernels back. The dispatcher's kernels are the
 process's: while a prediction for a GPU runs, CPU autocast in another thread of the process follows CUDA's lists
 too. ``cuda_policy()`` is None where the header is missing (an install without
 torch's headers) or unreadable; the caller then names CPU autocast's lists in what it could not model.
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ._torch import FakeTensor, below_cpu_autocast, drop_library, is_view, ops_with_kernel_for
+from ._torch import (FALLTHROUGH_KERNEL, FakeTensor, below_cpu_autocast, drop_kernels, is_view, kernel_registry,
+                     ops_with_kernel_for)
 
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 LISTS = {  # the header's list -> the cast policy autocast_mode.cpp registers it with for CUDA
@@ -119,12 +120,12 @@ class CudaAutocast:
     def __enter__(self):
         if self.policy is None:
             return self
-        lib = torch.library.Library("aten", "IMPL")
+        lib = kernel_registry()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point here
                 for qualname in cpu_autocast_ops() - set(self.policy):
-                    lib.impl(qualname.split("::", 1)[1], torch.library.fallthrough_kernel, "AutocastCPU")
+                    lib.impl(qualname.split("::", 1)[1], FALLTHROUGH_KERNEL, "AutocastCPU")
                 for qualname, cast in self.policy.items():
                     try:
                         op = _overload(qualname)
@@ -132,7 +133,7 @@ class CudaAutocast:
                         continue  # an op this build does not have
                     lib.impl(qualname.split("::", 1)[1], self._kernel(op, cast), "AutocastCPU")
         except BaseException:
-            drop_library(lib)
+            drop_kernels(lib)
             raise
         self._lib = lib
         return self
@@ -140,7 +141,7 @@ class CudaAutocast:
     def __exit__(self, *exc) -> None:
         self.clear_cache()
         if self._lib is not None:
-            drop_library(self._lib)  # CPU autocast's own kernels are in place again
+            drop_kernels(self._lib)  # CPU autocast's own kernels are in place again
             self._lib = None
 
     def clear_cache(self) -> None:
