@@ -79,7 +79,8 @@ def test_before_the_optimizer_step_every_optimizer_allocates_the_same_but_for_it
             continue  # (the host's optimizers: tests/test_plan_host.py, predicted with predict_offload)
         phases: dict = {}
         p = predict(model_maker(search.make_model, c.precision), search.optimizers[c.optimizer][0],
-                    search.make_batch, step=step_for(c, c.accumulate, None, None, phases), device=device)
+                    search.make_batch, step=step_for(c, c.accumulate, None, None, phases), device=device,
+                    breakdown=False)  # (the bytes alone: the same, without the roles' bookkeeping)
         assert phases["every_grad"] and phases["state"] == search.floor(c)["state"] > 0
         seen.setdefault(search.configuration(c), {})[c.optimizer] = p.before_step + phases["backward"] - phases["state"]
     assert len(seen) == 3 * 2
@@ -404,8 +405,8 @@ def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
     _, make, _ = facts.eight_bit_optimizer(lambda p: torch.optim.AdamW(p))
     make_model, _, make_batch = gpt_case()
     for make_optimizer in (make, facts.stepped_in_backward(make)):
-        once = predict(make_model, make_optimizer, make_batch, device="cuda")
+        once = predict(make_model, make_optimizer, make_batch, device="cuda", breakdown=False)
         with monkeypatch.context() as m:
             m.setattr(facts, "_maps_once", contextlib.nullcontext)
-            each = predict(make_model, make_optimizer, make_batch, device="cuda")
+            each = predict(make_model, make_optimizer, make_batch, device="cuda", breakdown=False)
         assert (once.peak, once.reserved_peak, once.before_step) == (each.peak, each.reserved_peak, each.before_step)
