@@ -11,8 +11,10 @@ import gpukit
 from gpukit.bigmodel import OptimizerInBackward
 from gpukit.estimate import predict, state_bytes
 from gpukit.losses import chunked_causal_lm_loss
+from gpukit.plan.params import resolve_card
+from gpukit.plan.search import PlanSearch
 from gpukit.roles import memtracker_peak
-from gpukit.step import Technique, train_step
+from gpukit.step import Technique, resolve_loss, train_step
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -216,11 +218,16 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     """The budget is one byte under the plain step's need; for the 8-bit optimizer, one byte under every need of
     your AdamW's (its fused step, stepped in backward), which rank before it (the same cost, numerics no worse)."""
     options = KINDS[kind]
-    found = small_plan("100GB", verify=False, alternatives=100, **options)
-    rows = [r for r in found.rows if r.need is not None]
-    plain = next(r.need for r in rows if r.candidate.optimizer == "yours: AdamW" and r.candidate.label == "plain")
-    budget = plain - 1 if kind != "AdamW8bit (bitsandbytes)" else \
-        min(r.need for r in rows if r.candidate.optimizer.startswith("yours: AdamW")) - 1
+    # The needs the budget is set from, predicted as the plan predicts them (its search, for the same step and
+    # techniques), and only those: not the whole plan's.
+    vocab, shape = options.get("vocab", 256), options.get("batch", (2, 12))
+    search = PlanSearch(lambda: llama(vocab), adamw, lambda: text_batch(*shape, vocab=vocab), 10**12, device="cpu",
+                        card=resolve_card(None, "cpu"), loss=resolve_loss("model"), techniques=gpukit.plan.Techniques(
+                            accumulate=[1], checkpointing=False, **options["techniques"]))
+    yours = [c for c in search.candidates() if c.optimizer.startswith("yours: AdamW")]
+    if kind != "AdamW8bit (bitsandbytes)":
+        yours = [c for c in yours if c.optimizer == "yours: AdamW" and c.label == "plain"]
+    budget = min(search.evaluate(c).need for c in yours) - 1
     p = small_plan(budget, alternatives=0, **options)
     # AdamW8bit stepped after backward and stepped in it cost the same within the plan's 5% tie; on a CPU the time
     # measured decides between them, so a loaded machine may pick either: the recipe is read as the one chosen.
