@@ -193,12 +193,18 @@ def test_a_model_trained_in_backward_is_freed_with_its_optimizer():
 
 
 
+def small_case(batch=(2, 12), vocab=256, techniques=None):
+    """The plans' model and batch factories and techniques: by default a batch so small that the model state is the
+    step's peak, as for a big model; accumulation, checkpointing and offload left out, so that the techniques of
+    this file are what can make the step fit."""
+    return (lambda: llama(vocab)), (lambda: text_batch(*batch, vocab=vocab)), \
+        gpukit.plan.Techniques(accumulate=[1], checkpointing=False, **(techniques or {}))
+
+
 def small_plan(budget, batch=(2, 12), vocab=256, techniques=None, **options):
-    """By default a batch so small that the model state is the step's peak, as for a big model; accumulation,
-    checkpointing and offload left out, so that the techniques of this file are what can make the step fit."""
-    techniques = gpukit.plan.Techniques(accumulate=[1], checkpointing=False, **(techniques or {}))
-    return gpukit.plan(lambda: llama(vocab), adamw, lambda: text_batch(*batch, vocab=vocab), budget=budget,
-                       device="cpu", loss="model", techniques=techniques, **options)
+    make_model, make_batch, techniques = small_case(batch, vocab, techniques)
+    return gpukit.plan(make_model, adamw, make_batch, budget=budget, device="cpu", loss="model",
+                       techniques=techniques, **options)
 
 
 KINDS = {  # what the plan may use besides the plain step: only this kind saves memory, or saves the most
@@ -220,10 +226,9 @@ def test_a_plan_chooses_each_technique_where_only_it_fits_and_its_recipe_runs_as
     options = KINDS[kind]
     # The needs the budget is set from, predicted as the plan predicts them (its search, for the same step and
     # techniques), and only those: not the whole plan's.
-    vocab, shape = options.get("vocab", 256), options.get("batch", (2, 12))
-    search = PlanSearch(lambda: llama(vocab), adamw, lambda: text_batch(*shape, vocab=vocab), 10**12, device="cpu",
-                        card=resolve_card(None, "cpu"), loss=resolve_loss("model"), techniques=gpukit.plan.Techniques(
-                            accumulate=[1], checkpointing=False, **options["techniques"]))
+    make_model, make_batch, techniques = small_case(**options)
+    search = PlanSearch(make_model, adamw, make_batch, 10**12, device="cpu", card=resolve_card(None, "cpu"),
+                        loss=resolve_loss("model"), techniques=techniques)
     yours = [c for c in search.candidates() if c.optimizer.startswith("yours: AdamW")]
     if kind != "AdamW8bit (bitsandbytes)":
         yours = [c for c in yours if c.optimizer == "yours: AdamW" and c.label == "plain"]
