@@ -8,8 +8,9 @@ runs ``mv``, ``addr`` and the RNN cells in float32 where CUDA runs them in the l
 
 * the policy of each op, from the header torch installs, ``include/ATen/autocast_mode.h``: its lists
   ``AT_FORALL_LOWER_PRECISION_FP`` (cast float32 to the autocast dtype), ``AT_FORALL_FP32`` (cast to float32),
-  ``AT_FORALL_FP32_SET_OPT_DTYPE`` (``dtype=float32`` where the call names none), ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE``
-  (``norm``: the overload with a dtype, float32) and ``AT_FORALL_PROMOTE`` (the widest floating type of the inputs);
+  ``AT_FORALL_FP32_SET_OPT_DTYPE`` (``dtype=float32`` where the call names none),
+  ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE`` (``norm``: the overload with a dtype, float32) and
+  ``AT_FORALL_PROMOTE`` (the widest floating type of the inputs);
   ``binary_cross_entropy`` raises CUDA's error (autocast_mode.cpp, ``binary_cross_entropy_banned``);
 * each policy as ``autocast_mode.h`` writes it: ``cached_cast`` casts a floating tensor other than float64
   (``is_autocast_eligible``), and keeps the lower-precision copy of a float32 leaf that requires grad until the
@@ -21,10 +22,10 @@ runs ``mv``, ``addr`` and the RNN cells in float32 where CUDA runs them in the l
   without the float32 copy of the input that the CPU's path makes; bfloat16 makes the copy on CUDA too.
 
 The kernels are registered through PyTorch's operator registration API for the region of the prediction and
-removed after it (also when it raises or is interrupted), which puts CPU autocast's own kernels back. The dispatcher's kernels are the
-process's: while a prediction for a GPU runs, CPU autocast in another thread of the process follows CUDA's lists
-too. ``cuda_policy()`` is None where the header is missing (an install without
-torch's headers) or unreadable; the caller then names CPU autocast's lists in what it could not model.
+removed after it (also when it raises or is interrupted), which puts CPU autocast's own kernels back. The
+dispatcher's kernels are the process's: while a prediction for a GPU runs, CPU autocast in another thread of the
+process follows CUDA's lists too. ``cuda_policy()`` is None where the header is missing (an install without torch's
+headers) or unreadable; the caller then names CPU autocast's lists in what it could not model.
 """
 
 from __future__ import annotations

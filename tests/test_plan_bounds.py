@@ -53,7 +53,7 @@ def settings(c) -> tuple:
 def pairwise_cover(configurations: set[tuple], first: tuple) -> set[tuple]:
     """``first`` and configurations in which every two settings of two techniques meet at least once (chosen
     greedily, in a fixed order): a bound that goes wrong where two techniques meet is still found, in about a
-    quarter of the predictions of every combination (the Llama's and the GPT's took 400 s of the suite's time)."""
+    third of the predictions of every combination (the Llama's and the GPT's took 400 s of the suite's time)."""
     def pairs(k: tuple) -> set[tuple]:
         return {(i, k[i], j, k[j]) for i in range(len(k)) for j in range(i + 1, len(k))}
 
