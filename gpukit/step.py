@@ -369,9 +369,27 @@ def micro_batches(batch: Any, k: int, loss=None) -> list:
     """``batch`` cut into ``k`` micro-batches along its first dimension, as ``train_step`` cuts it: ``(inputs,
     targets)`` pairs where ``loss`` (resolved: ``resolve_loss``) is None, else the batch's own structure."""
     if loss is None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                and all(isinstance(t, torch.Tensor) for t in batch)):
+            raise TypeError(
+                f"a step with loss=None takes a batch (inputs, targets) of two tensors, and this batch is "
+                f"{_described(batch)}: pass loss='model' where the model computes its loss from the batch "
+                "(model(**batch).loss, a transformers model given labels), or loss=a function(model, batch) that "
+                "returns it: plan(..., loss='model'), and predict(..., step=lambda model, optimizer, batch: "
+                "gpukit.step.train_step(model, optimizer, batch, loss='model'))")
         x, y = batch
         return list(zip(x.chunk(k), y.chunk(k)))
     return split_batch(batch, k)
+
+
+def _described(batch: Any) -> str:
+    """A batch's kind in a few words, for an error: 'a dict with keys input_ids, labels', 'a tuple of 3 items'."""
+    if isinstance(batch, Mapping):
+        return f"a {type(batch).__name__} with keys {', '.join(map(str, list(batch)[:6]))}"
+    if isinstance(batch, (tuple, list)):
+        kinds = ", ".join(type(v).__name__ for v in batch[:4])
+        return f"a {type(batch).__name__} of {len(batch)} item(s) ({kinds}{', ...' if len(batch) > 4 else ''})"
+    return f"a {type(batch).__name__}"
 
 
 def micro_backward(model: nn.Module, micro: Any, technique: Technique, scaler=None, loss=None) -> Any:

@@ -121,6 +121,29 @@ def test_a_loss_that_is_not_one_is_refused_and_nothing_is_stepped():
     assert not torch.equal(model.weight, before)
 
 
+def test_a_batch_of_keyword_arguments_without_a_loss_is_refused_saying_what_to_pass():
+    """Device: cpu. The default step (loss=None) takes (inputs, targets); a transformers-style dict, a single
+    tensor or a triple is refused before anything runs, in train_step and in predict() with its default step,
+    with the loss that would take it, and the model is left as it was."""
+    from gpukit.estimate import predict
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    three = (torch.zeros(2, 4), torch.zeros(2), torch.zeros(2))
+    words = {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2)}
+    for batch, kind in [(words, "a dict with keys input_ids, labels"),
+                        (torch.zeros(2, 4), "a Tensor"),
+                        (three, r"a tuple of 3 item\(s\) \(Tensor, Tensor, Tensor\)")]:
+        says = rf"loss=None takes a batch \(inputs, targets\) of two tensors, and this batch is {kind}: pass loss="
+        with pytest.raises(TypeError, match=says):
+            train_step(model, opt, batch)
+        assert torch.equal(model.weight, before) and model.weight.grad is None
+    says = r"plan\(\.\.\., loss='model'\), and predict\(\.\.\., step=lambda model, optimizer, batch: gpukit"
+    with pytest.raises(TypeError, match=says):
+        predict(lambda: torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), lambda: words)
+
+
 def test_a_batch_registered_with_torchs_pytree_is_reached_too():
     """Device: cpu. A dataclass batch registered as a pytree node (as libraries register their outputs) is cut
     and mapped like a dict, as torch's own tree functions reach it."""
