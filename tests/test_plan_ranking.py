@@ -22,7 +22,7 @@ from test_plan_bounds import search_for
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-SEARCH = sys.modules["gpukit.plan.search"]
+RANKING = sys.modules["gpukit.plan.ranking"]
 
 
 def rows_by(p, **wanted):
@@ -69,7 +69,7 @@ def test_a_tie_in_cost_goes_to_plain_pytorch_adamw_before_bitsandbytes_8bit_adam
     assert plain.need > p.budget  # the premise: AdamW alone does not fit, its 8-bit version does...
     assert choice.candidate.optimizer == "yours: AdamW" and choice.candidate.accumulate == 2
     fitting8 = rows_by(p, optimizer="AdamW8bit (bitsandbytes)", accumulate=1)[0]
-    assert fitting8.fits and fitting8.slowdown < choice.slowdown <= fitting8.slowdown * (1 + SEARCH.TIE)  # ...cheaper
+    assert fitting8.fits and fitting8.slowdown < choice.slowdown <= fitting8.slowdown * (1 + RANKING.TIE)  # ...cheaper
     assert choice.libraries == () and fitting8.libraries == ("bitsandbytes",)
     assert choice.ranking == (f"before plain [AdamW8bit (bitsandbytes)], whose cost is within 5%: PyTorch alone "
                               f"first")
@@ -123,18 +123,18 @@ def test_a_recipe_many_times_slower_than_lora_ranks_after_it_and_says_why(host_a
     host = [r for r in fitting if "on the host" in r.candidate.optimizer]
     assert host and all(fitting.index(r) > fitting.index(p.choice) for r in host)
     for r in host:
-        assert r.slowdown > SEARCH.SLOW * max(p.choice.slowdown, 1.0)
+        assert r.slowdown > RANKING.SLOW * max(p.choice.slowdown, 1.0)
         assert r.ranking.startswith("after every recipe that is not slow or hungry for host memory: ")
-        assert f"the fastest fitting recipe's cost (over {SEARCH.SLOW:g}x)" in r.ranking
-    assert SEARCH.TYPICAL_HOST_MEMORY == 12_700_000_000  # Colab's host, when the plan is told of none
+        assert f"the fastest fitting recipe's cost (over {RANKING.SLOW:g}x)" in r.ranking
+    assert RANKING.TYPICAL_HOST_MEMORY == 12_700_000_000  # Colab's host, when the plan is told of none
 
 
 def test_a_recipe_that_needs_more_host_memory_than_a_typical_host_ranks_after_lora(host_and_lora, monkeypatch):
     """Device: none. The same plan, its host optimizer's speed not counted against it (a slowness factor too large
     to matter): on a host smaller than its host peak (the typical host taken at 1 MB here) it still comes after
     LoRA, saying why; told that the host has enough (``Host.memory``), it comes first, as the only full fine-tune."""
-    monkeypatch.setattr(SEARCH, "SLOW", 1e9)
-    monkeypatch.setattr(SEARCH, "TYPICAL_HOST_MEMORY", 10**6)
+    monkeypatch.setattr(RANKING, "SLOW", 1e9)
+    monkeypatch.setattr(RANKING, "TYPICAL_HOST_MEMORY", 10**6)
     small = llama_plan(host_and_lora, alternatives=1)
     assert small.choice.candidate.lora
     host = [r for r in small.rows if r.fits and r.need is not None and "on the host" in r.candidate.optimizer]
