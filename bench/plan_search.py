@@ -11,7 +11,11 @@ torchao's CPUOffloadOptimizer), no other optimizer. Reported: seconds, predictio
 made (bounds from a prefix of a step and floors count as predictions), candidates pruned, and what it chose.
 The libraries are imported before any clock starts (transformers, and bitsandbytes for the 8-bit candidates: 1.6 s
 here, once per process), so that the Llama's plan and its predict() are timed alike.
-Writes bench/out/plan_search.csv (all cases); one case alone (``llama``, ``gpt``, ``gpt4``) only prints.
+Case ``first``: a new user's first calls. In a fresh process for each (gpukit and transformers imported first, as in
+a notebook), the 1.24B Llama's predict() twice, and in another its plan() against 24 GB twice: the first plan(), with
+the libraries it imports on the way (bitsandbytes, peft, torchao), against the first predict(), and the second against
+the second (the issue's targets: at most 3x, and 2x warm).
+Writes bench/out/plan_search.csv (all cases); one case alone (``first``, ``llama``, ``gpt``, ``gpt4``) only prints.
 
     python3 kit.py bench plan_search
     cd bench && OMP_NUM_THREADS=1 ../.venv/bin/python plan_search.py llama
@@ -113,8 +117,65 @@ def llama_rows() -> list[dict]:
     return rows
 
 
+def first_call(what: str) -> None:
+    """Run in a fresh process by ``first_rows``: the 1.24B Llama's ``what`` ("predict" or "plan") twice; prints the
+    seconds of each call as JSON."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpukit.estimate import predict
+    from gpukit.step import train_step
+
+    def make_model():
+        return LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+
+    def make_batch():
+        return llama_batch(LLAMA_1B["vocab_size"], 8)
+
+    def step(model, optimizer, batch):
+        train_step(model, optimizer, batch, loss="model")
+
+    seconds, predictions = [], 0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        if what == "predict":
+            predict(make_model, lambda params: torch.optim.AdamW(params), make_batch, step, device="cuda")
+        else:
+            predictions = plan(make_model, lambda params: torch.optim.AdamW(params), make_batch, BUDGET,
+                               alternatives=0, loss="model").predictions
+        seconds.append(time.perf_counter() - t0)
+    print(json.dumps({"seconds": seconds, "predictions": predictions}))
+
+
+def first_rows() -> list[dict]:
+    """The first and the second predict() and plan() of the 1.24B Llama, each pair in a fresh process."""
+    import json
+    import subprocess
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return []
+    found = {}
+    for what in ("predict", "plan"):
+        out = subprocess.run([sys.executable, __file__, "--first", what], capture_output=True, text=True, check=True)
+        found[what] = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = []
+    for i, when in enumerate(("first", "second")):
+        one, whole = found["predict"]["seconds"][i], found["plan"]["seconds"][i]
+        rows.append({"case": f"Llama-3.2-1B shape, {when} plan() against {BUDGET} in a process "
+                             f"({whole / one:.1f}x its {when} predict(), {one:.1f} s)",
+                     "parameters": "", "budget": BUDGET, "seconds": round(whole, 1),
+                     "predictions": found["plan"]["predictions"], "candidates": "", "pruned": "", "choice": "",
+                     "choice need GB": None, "host GB": None, "torch": torch.__version__})
+        print(f"{rows[-1]['case']:<58} {whole:6.1f} s", flush=True)
+    return rows
+
+
 def main(only: list[str] | None = None) -> list[dict]:
-    rows = llama_rows() if not only or "llama" in only else []
+    rows = first_rows() if not only or "first" in only else []
+    rows += llama_rows() if not only or "llama" in only else []
     for key, (name, kwargs) in CASES.items():
         if only and key not in only:
             continue
@@ -143,6 +204,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:] or None)
+    if sys.argv[1:2] == ["--first"]:
+        first_call(sys.argv[2])
+    else:
+        main(sys.argv[1:] or None)
