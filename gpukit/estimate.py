@@ -185,10 +185,11 @@ def predict(make_model: Callable[[], nn.Module],
 
     Raises:
         TypeError: a model, an optimizer or a batch passed where the function that builds it is expected
-            (``predict(model, ...)``); the message says what to pass.
+            (``predict(model, ...)``), or a factory that returns something else than a model or an optimizer;
+            the message says what to pass.
         ValueError: ``make_optimizer`` returned an optimizer that already exists (over real tensors, not the
             parameters given), which the prediction would step; or ``make_model`` returned a model that already
-            exists and cannot be deep-copied. Neither is changed.
+            exists and cannot be deep-copied. Neither is changed. Also ``warmup_steps`` below 0.
         RuntimeError, IndexError...: the real error, where the step would fail for real (a dtype mismatch, wrong
             shapes, class labels or token ids out of range where the batch's values are known): each op small
             enough is run once for real on the CPU (gpukit.fakecheck).
@@ -205,6 +206,10 @@ def predict(make_model: Callable[[], nn.Module],
                              "leave device out or pass 'cuda'")
     if not isinstance(breakdown, bool):
         raise TypeError(f"breakdown={breakdown!r}: True (bytes by role and by module) or False (the bytes alone)")
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r}: the steps run before the predicted one, a whole number: "
+                         "1 (the default) leaves gradients and optimizer state as training has them, 0 predicts "
+                         "the first step")
     kind = torch.device(device or ("cuda" if card is not None else "cpu")).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"predict(device={device!r}): the rules known are those of 'cpu' and 'cuda'")

@@ -269,9 +269,18 @@ def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding 
         values = ValuesWhileBuilding()  # (the planner's bounds build models too: a ViT's trunc_normal_ reads values)
     with swappable_fakes(mode), (values if values is not None else contextlib.nullcontext()):
         model = make_model()
-    if mode is None or not isinstance(model, nn.Module) or not real_tensors(model):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_model() must return the model, a torch.nn.Module; it returned "
+                        f"{type(model).__name__}: {_short(model)}")
+    if mode is None or not real_tensors(model):
         return model
     return fake_copy(model, mode)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters, for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -279,8 +288,13 @@ def check_optimizer(optimizer: Any) -> None:
     existed before its factory was called (``lambda params: optimizer``) and a fake step would change it.
 
     Raises:
+        TypeError: for something that is not an optimizer (``lambda params: None``).
         ValueError: saying to build a new optimizer from the parameters given.
     """
+    groups = getattr(optimizer, "param_groups", None)
+    if not (callable(getattr(optimizer, "step", None)) and isinstance(groups, (list, tuple))):
+        raise TypeError(f"make_optimizer(parameters) must return the optimizer, a torch.optim.Optimizer (or one with "
+                        f"its step() and param_groups); it returned {type(optimizer).__name__}: {_short(optimizer)}")
     held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
     if any(isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor) for p in held):
         name = type(optimizer).__name__
