@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +181,45 @@ def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+class _MetaFailuresUnlogged(logging.Filter):
+    """Drops FakeTensorMode's "failed while attempting to run meta for <op>" log record, with its traceback, on the
+    threads where a ``FakeKernelCheck`` is open (torch/_subclasses/fake_tensor.py logs it at ERROR for every fake
+    kernel that raises). The check raises that error itself, or the real kernel's error for the same inputs, with its
+    traceback: the log only printed it once more, before the user's own error."""
+
+    MESSAGE = "failed while attempting to run meta for"
+    LOGGER = "torch._subclasses.fake_tensor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: dict[int, int] = {}  # thread ident -> checks open on it
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (threading.get_ident() in self.open and isinstance(record.msg, str)
+                    and record.msg.startswith(self.MESSAGE))
+
+    def enter(self) -> None:
+        with self.lock:
+            if not self.open:
+                logging.getLogger(self.LOGGER).addFilter(self)
+            ident = threading.get_ident()
+            self.open[ident] = self.open.get(ident, 0) + 1
+
+    def exit(self) -> None:
+        with self.lock:
+            ident = threading.get_ident()
+            if self.open.get(ident, 0) > 1:
+                self.open[ident] -= 1
+            else:
+                self.open.pop(ident, None)
+            if not self.open:
+                logging.getLogger(self.LOGGER).removeFilter(self)
+
+
+_META_FAILURES = _MetaFailuresUnlogged()
+
+
 class FakeKernelCheck(TorchDispatchMode):
     """Checks fake kernels against real CPU kernels (see the module's docstring); enter it inside the fake mode.
 
@@ -200,6 +241,20 @@ class FakeKernelCheck(TorchDispatchMode):
         self._fix: set = set()  # funcs with a correction
         self.quick = False  # after a warm-up step: only ops not met yet, or corrected, are looked at
         self._generator = torch.Generator().manual_seed(0)  # made-up values leave the user's random state alone
+
+    def __enter__(self):
+        _META_FAILURES.enter()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _META_FAILURES.exit()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _META_FAILURES.exit()
 
     def know(self, fake: torch.Tensor, real: torch.Tensor, genuine: bool = True) -> None:
         """Follow the values of ``real`` (an integer tensor of the batch, say) as those of ``fake``, where small.

@@ -437,6 +437,55 @@ def test_an_object_passed_where_its_factory_is_expected_is_refused_with_what_to_
     assert_same(model, snap)
 
 
+def test_factories_that_return_no_model_or_no_optimizer_and_negative_warm_ups_are_refused_on_the_cpu():
+    """Device: cpu. A factory's return value is checked before any step: a raw AttributeError from inside gpukit
+    said neither which factory nor what it returned. A negative warm-up (range(-1): none) predicted the first step
+    silently."""
+    adam = lambda q: torch.optim.Adam(q)  # noqa: E731
+    with pytest.raises(TypeError, match=r"make_model\(\) must return the model, a torch\.nn\.Module; it returned "
+                                        r"int: 3"):
+        predict(lambda: 3, adam, small_batch)
+    with pytest.raises(TypeError, match=r"make_optimizer\(parameters\) must return the optimizer, a "
+                                        r"torch\.optim\.Optimizer .*; it returned NoneType: None"):
+        predict(lambda: MLP(width=16, depth=1), lambda q: None, small_batch)
+    for steps, error in [(-1, ValueError), (1.5, ValueError), (True, ValueError)]:
+        with pytest.raises(error, match=rf"warmup_steps={steps!r}: the steps run before the predicted one"):
+            predict(lambda: MLP(width=16, depth=1), adam, small_batch, warmup_steps=steps)
+    assert predict(lambda: MLP(width=16, depth=1), adam, small_batch, warmup_steps=0).before_step < \
+        predict(lambda: MLP(width=16, depth=1), adam, small_batch).before_step  # no gradients nor state yet
+
+
+def test_a_step_that_fails_on_fake_tensors_raises_its_error_without_torchs_log_of_it_on_the_cpu():
+    """Device: cpu. FakeTensorMode logs every fake kernel that raises, traceback and all, at ERROR; a prediction
+    raises the error itself (the real kernel's), so the log is left out while it runs, on its thread only, and
+    torch's logger is left as it was."""
+    import logging
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    filters = list(logger.filters)
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        with FakeTensorMode(), pytest.raises(RuntimeError):  # without a prediction, torch logs it
+            torch.randn(8, 15) @ torch.randn(16, 16)
+        assert [r.getMessage() for r in records] == ["failed while attempting to run meta for aten.mm.default"]
+        records.clear()
+        wrong_width = lambda: (torch.randn(8, 15), torch.randint(0, 4, (8,)))  # noqa: E731
+        with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(8x15 and 16x16\)"):
+            predict(lambda: nn_layers(16, 16, 4), lambda q: torch.optim.Adam(q), wrong_width)
+        assert records == [] and logger.filters == filters
+    finally:
+        logger.removeHandler(handler)
+
+
+def nn_layers(*widths):
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+
 @pytest.mark.parametrize("existing_model", [False, True])
 def test_an_optimizer_that_already_exists_is_refused_and_left_as_it_is_on_the_cpu(existing_model):
     """make_optimizer returning the user's optimizer (lambda p: optimizer) would be stepped by the prediction:
