@@ -34,7 +34,7 @@ from .amp import CardAmp
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
-                        fake_model)
+                        fake_model, short_repr)
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -206,6 +206,12 @@ def predict(make_model: Callable[[], nn.Module],
                              "leave device out or pass 'cuda'")
     if not isinstance(breakdown, bool):
         raise TypeError(f"breakdown={breakdown!r}: True (bytes by role and by module) or False (the bytes alone)")
+    if not callable(step):
+        raise TypeError(f"step={short_repr(step)}: a function step(model, optimizer, batch) that runs one training "
+                        "step (gpukit.step.train_step, the default, or your own)")
+    if not isinstance(modules_depth, int) or isinstance(modules_depth, bool) or modules_depth < 0:
+        raise ValueError(f"modules_depth={modules_depth!r}: the depth of the per-module table, a whole number: 1 "
+                         "(the default) for the model's children, 0 for none")
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps!r}: the steps run before the predicted one, a whole number: "
                          "1 (the default) leaves gradients and optimizer state as training has them, 0 predicts "

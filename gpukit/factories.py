@@ -269,15 +269,20 @@ def fake_model(make_model: Callable[[], nn.Module], values: ValuesWhileBuilding 
         values = ValuesWhileBuilding()  # (the planner's bounds build models too: a ViT's trunc_normal_ reads values)
     with swappable_fakes(mode), (values if values is not None else contextlib.nullcontext()):
         model = make_model()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"make_model() must return the model, a torch.nn.Module; it returned "
-                        f"{type(model).__name__}: {_short(model)}")
+    check_model(model)
     if mode is None or not real_tensors(model):
         return model
     return fake_copy(model, mode)
 
 
-def _short(value: Any) -> str:
+def check_model(model: Any) -> None:
+    """Raise a TypeError where ``make_model()`` returned something else than a model (``lambda: 3``), naming it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_model() must return the model, a torch.nn.Module; it returned "
+                        f"{type(model).__name__}: {short_repr(model)}")
+
+
+def short_repr(value: Any) -> str:
     """``repr(value)`` cut to 80 characters, for an error message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -294,7 +299,8 @@ def check_optimizer(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if not (callable(getattr(optimizer, "step", None)) and isinstance(groups, (list, tuple))):
         raise TypeError(f"make_optimizer(parameters) must return the optimizer, a torch.optim.Optimizer (or one with "
-                        f"its step() and param_groups); it returned {type(optimizer).__name__}: {_short(optimizer)}")
+                        f"its step() and param_groups); it returned {type(optimizer).__name__}: "
+                        f"{short_repr(optimizer)}")
     held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
     if any(isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor) for p in held):
         name = type(optimizer).__name__
@@ -369,4 +375,5 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
-           "fake_copy", "fake_model", "real_tensors", "valueless", "building", "ValuesWhileBuilding"]
+           "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
+           "ValuesWhileBuilding"]

@@ -440,7 +440,7 @@ def test_an_object_passed_where_its_factory_is_expected_is_refused_with_what_to_
 def test_factories_that_return_no_model_or_no_optimizer_and_negative_warm_ups_are_refused_on_the_cpu():
     """Device: cpu. A factory's return value is checked before any step: a raw AttributeError from inside gpukit
     said neither which factory nor what it returned. A negative warm-up (range(-1): none) predicted the first step
-    silently."""
+    silently; a step or a table depth of another kind failed inside gpukit."""
     adam = lambda q: torch.optim.Adam(q)  # noqa: E731
     with pytest.raises(TypeError, match=r"make_model\(\) must return the model, a torch\.nn\.Module; it returned "
                                         r"int: 3"):
@@ -448,9 +448,14 @@ def test_factories_that_return_no_model_or_no_optimizer_and_negative_warm_ups_ar
     with pytest.raises(TypeError, match=r"make_optimizer\(parameters\) must return the optimizer, a "
                                         r"torch\.optim\.Optimizer .*; it returned NoneType: None"):
         predict(lambda: MLP(width=16, depth=1), lambda q: None, small_batch)
-    for steps, error in [(-1, ValueError), (1.5, ValueError), (True, ValueError)]:
-        with pytest.raises(error, match=rf"warmup_steps={steps!r}: the steps run before the predicted one"):
+    for steps in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"warmup_steps={steps!r}: the steps run before the predicted one"):
             predict(lambda: MLP(width=16, depth=1), adam, small_batch, warmup_steps=steps)
+    for depth in (-1, "a"):
+        with pytest.raises(ValueError, match=rf"modules_depth={depth!r}: the depth of the per-module table"):
+            predict(lambda: MLP(width=16, depth=1), adam, small_batch, modules_depth=depth)
+    with pytest.raises(TypeError, match=r"step=3: a function step\(model, optimizer, batch\)"):
+        predict(lambda: MLP(width=16, depth=1), adam, small_batch, step=3)
     assert predict(lambda: MLP(width=16, depth=1), adam, small_batch, warmup_steps=0).before_step < \
         predict(lambda: MLP(width=16, depth=1), adam, small_batch).before_step  # no gradients nor state yet
 

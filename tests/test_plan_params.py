@@ -145,6 +145,7 @@ def test_bad_techniques_and_hosts_are_refused_when_made(make, message):
     (dict(card=dataclasses.replace(DEFAULT_CARD, context_allowance=-1)), ValueError, r"context_allowance=-1"),
     (dict(host={"memory": "1GB"}), TypeError, r"host=.*gpukit.plan.Host"),
     (dict(techniques={"precisions": ("bf16",)}), TypeError, r"techniques=.*gpukit.plan.Techniques"),
+    (dict(verify="no"), TypeError, r"verify='no': True \(run the chosen recipe's step once for real\) or False"),
 ])
 def test_a_card_host_or_techniques_of_the_wrong_kind_is_refused_before_any_work(kwargs, error, message,
                                                                                 monkeypatch):
@@ -155,6 +156,16 @@ def test_a_card_host_or_techniques_of_the_wrong_kind_is_refused_before_any_work(
     monkeypatch.setattr(sys.modules["gpukit.plan.search"], "model_facts", never)
     with pytest.raises(error, match=message):
         plan(*CASE, BUDGET, **kwargs)
+
+
+def test_factories_that_return_no_model_or_no_optimizer_are_refused_naming_what_they_returned():
+    """Device: cpu. plan() builds the model to read its facts: a factory that returns something else raised
+    AttributeError: 'int' object has no attribute 'modules' from inside gpukit."""
+    make_model, make_optimizer, make_batch = CASE
+    with pytest.raises(TypeError, match=r"make_model\(\) must return the model, a torch\.nn\.Module; it returned int"):
+        plan(lambda: 3, make_optimizer, make_batch, BUDGET, device="cpu", verify=False)
+    with pytest.raises(TypeError, match=r"make_optimizer\(parameters\) must return the optimizer.*NoneType"):
+        plan(make_model, lambda params: None, make_batch, BUDGET, device="cpu", verify=False)
 
 
 def test_the_default_card_is_the_plan_without_a_card():

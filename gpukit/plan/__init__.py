@@ -161,6 +161,8 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     gpu = resolve_card(card, device)
     if not isinstance(alternatives, int) or isinstance(alternatives, bool) or alternatives < 0:
         raise ValueError(f"alternatives={alternatives!r}: a whole number, 0 or more")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify={verify!r}: True (run the chosen recipe's step once for real) or False")
     check_factories(make_model, make_optimizer, make_batch,
                     batch="lambda: (inputs, targets)" if loss is None else "lambda: batch")
     loss = resolve_loss(loss)

@@ -17,7 +17,8 @@ from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..estimate import storage_bytes
-from ..factories import ValuesWhileBuilding, check_optimizer, fake_copy, preload_quietly, quiet_import, real_tensors
+from ..factories import (ValuesWhileBuilding, check_model, check_optimizer, fake_copy, preload_quietly, quiet_import,
+                         real_tensors)
 from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
@@ -100,6 +101,7 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
             model = make_model()
+        check_model(model)
         existing = bool(real_tensors(model))
         if existing:  # the user's own model (lambda: model): read through a fake copy, never run itself
             model = fake_copy(model, fake_mode)
