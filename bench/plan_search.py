@@ -64,19 +64,28 @@ def llama_batch(vocab: int, batch: int, length: int = 1024):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def llama_factories(shape: dict, batch: int):
+    """``(make_model, make_batch, step)`` of a transformers Llama of ``shape`` at ``batch`` x 1,024 tokens, trained
+    with the loss the model computes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpukit.step import train_step
+
+    def step(model, optimizer, batch):
+        train_step(model, optimizer, batch, loss="model")
+
+    return (lambda: LlamaForCausalLM(LlamaConfig(**shape))), (lambda: llama_batch(shape["vocab_size"], batch)), step
+
+
 def llama_rows() -> list[dict]:
     """One predict() of the plain step and a whole plan() for the 1.24B Llama against 24 GB, in the same run
     (the target: the plan within 4x the prediction); one predict() of the 8B Llama at 1 x 1,024 tokens, and its
     plans against 24 GB and 80 GB."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers  # noqa: F401
     except ImportError:
         return []
     from gpukit.estimate import predict
-    from gpukit.step import train_step
-
-    def step(model, optimizer, batch):
-        train_step(model, optimizer, batch, loss="model")
 
     # The libraries a plan tries are imported before either clock starts, as transformers is: bitsandbytes takes
     # 1.6 s to import here (it imports torch._inductor), a process's cost once, not a prediction's or a plan's.
@@ -85,8 +94,7 @@ def llama_rows() -> list[dict]:
         facts._bnb_optim()
     rows = []
     for name, shape, batch in (("Llama-3.2-1B shape", LLAMA_1B, 8), ("Llama-3-8B shape", LLAMA_8B, 1)):
-        make_model = (lambda shape=shape: LlamaForCausalLM(LlamaConfig(**shape)))
-        make_batch = (lambda shape=shape, batch=batch: llama_batch(shape["vocab_size"], batch))
+        make_model, make_batch, step = llama_factories(shape, batch)
         t0 = time.perf_counter()
         p = predict(make_model, lambda params: torch.optim.AdamW(params), make_batch, step, device="cuda")
         one = time.perf_counter() - t0
@@ -122,20 +130,9 @@ def first_call(what: str) -> None:
     seconds of each call as JSON."""
     import json
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from gpukit.estimate import predict
-    from gpukit.step import train_step
 
-    def make_model():
-        return LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
-
-    def make_batch():
-        return llama_batch(LLAMA_1B["vocab_size"], 8)
-
-    def step(model, optimizer, batch):
-        train_step(model, optimizer, batch, loss="model")
-
+    make_model, make_batch, step = llama_factories(LLAMA_1B, 8)
     seconds, predictions = [], 0
     for _ in range(2):
         t0 = time.perf_counter()

@@ -301,7 +301,7 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"make_optimizer(parameters) must return the optimizer, a torch.optim.Optimizer (or one with "
                         f"its step() and param_groups); it returned {type(optimizer).__name__}: "
                         f"{short_repr(optimizer)}")
-    held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+    held = [p for group in groups for p in group.get("params", ())]
     if any(isinstance(p, torch.Tensor) and not isinstance(p, FakeTensor) for p in held):
         name = type(optimizer).__name__
         where = f"torch.optim.{name}" if getattr(torch.optim, name, None) is type(optimizer) else name

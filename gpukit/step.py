@@ -369,8 +369,7 @@ def micro_batches(batch: Any, k: int, loss=None) -> list:
     """``batch`` cut into ``k`` micro-batches along its first dimension, as ``train_step`` cuts it: ``(inputs,
     targets)`` pairs where ``loss`` (resolved: ``resolve_loss``) is None, else the batch's own structure."""
     if loss is None:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-                and all(isinstance(t, torch.Tensor) for t in batch)):
+        if not is_pair_batch(batch):
             raise TypeError(
                 f"a step with loss=None takes a batch (inputs, targets) of two tensors, and this batch is "
                 f"{_described(batch)}: pass loss='model' where the model computes its loss from the batch "
@@ -380,6 +379,11 @@ def micro_batches(batch: Any, k: int, loss=None) -> list:
         x, y = batch
         return list(zip(x.chunk(k), y.chunk(k)))
     return split_batch(batch, k)
+
+
+def is_pair_batch(batch: Any) -> bool:
+    """Whether ``batch`` is ``(inputs, targets)``, two tensors, as ``train_step`` takes it with ``loss=None``."""
+    return isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
 
 
 def _described(batch: Any) -> str:
@@ -403,5 +407,5 @@ def micro_backward(model: nn.Module, micro: Any, technique: Technique, scaler=No
 
 __all__ = ["Technique", "BASELINE", "CheckpointPlan", "checkpoint_plan", "checkpointing",
            "half_with_float_batchnorm", "own_checkpointing_methods", "train_step", "micro_loss", "micro_batches",
-           "micro_backward", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
+           "micro_backward", "is_pair_batch", "model_loss", "resolve_loss", "map_tensors", "batch_tensors",
            "batch_size", "split_batch", "first_samples", "batch_device"]

@@ -19,7 +19,7 @@ from ..counter import round_up
 from ..estimate import storage_bytes
 from ..factories import (ValuesWhileBuilding, check_model, check_optimizer, fake_copy, preload_quietly, quiet_import,
                          real_tensors)
-from ..step import batch_size, batch_tensors, checkpoint_plan, model_loss, own_checkpointing_methods
+from ..step import batch_size, batch_tensors, checkpoint_plan, is_pair_batch, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
 
@@ -107,7 +107,7 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
             model = fake_copy(model, fake_mode)
         batch = make_batch()
         if loss is None:
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+            if not is_pair_batch(batch):
                 raise ValueError("make_batch() must return (inputs, targets), two tensors whose first dimension is "
                                  "the batch, as gpukit.step.train_step takes them; for another batch (a dict, a "
                                  "BatchEncoding...) say how the loss is computed: loss='model' (model(**batch).loss) "
