@@ -15,7 +15,7 @@ from .._torch import is_traceable_wrapper_subclass, reset_dispatch_mode_flags, s
 from .interrupts import INTERRUPTS
 from .limits import Limits
 from .mode import CountingMode, PerThread
-from .records import FREED, LIVE, QUEUED, StorageRef, Tally, claim
+from .records import ADOPTED, BOOK, COUNT, FREED, LIVE, QUEUED, StorageRef, Tally, claim
 from .scan import Scan, TensorKinds
 from .sizes import ALIGNMENT_LESS_ONE, ALIGNMENT_MASK, round_up
 
@@ -61,6 +61,7 @@ class Ledger(Limits, Scan):
         # first scan is a full one). Read, not reported by a gc callback: no gpukit code runs inside a
         # collection, where CPython drops any exception, a KeyboardInterrupt from Ctrl-C included.
         self._gc_runs: list[int] | None = None
+        self._found: list = []  # a scan's storages not yet booked: (storage, label), booked at its end
         self._kinds = TensorKinds()
 
     # -- bookkeeping ---------------------------------------------------------
@@ -101,14 +102,28 @@ class Ledger(Limits, Scan):
         event = sink.append if sink is not None else None
         # The live totals move with the running change (each booking adds to both): added once, at the end.
         change = change_unrounded = top = top_unrounded = 0
+        adopted = adopted_unrounded = 0  # of the change, what the live totals had already (claim: COUNT)
         try:
             while queue:
                 ref = queue[0]
                 key, state = ref.key, ref.state
                 if state == QUEUED:  # made inside a block
-                    if refs.get(key) is not ref and not claim(refs, ref):
-                        popleft()
-                        continue
+                    if refs.get(key) is not ref:
+                        how = claim(refs, ref)
+                        if how != BOOK:
+                            if how == COUNT:
+                                nbytes = sizes.get(key, 0)
+                                rounded = (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK
+                                change += rounded
+                                change_unrounded += nbytes
+                                adopted += rounded
+                                adopted_unrounded += nbytes
+                                if change > top:
+                                    top = change
+                                if change_unrounded > top_unrounded:
+                                    top_unrounded = change_unrounded
+                            popleft()
+                            continue
                     nbytes = ref.nbytes
                     if event is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
                         event((key, nbytes))
@@ -120,8 +135,8 @@ class Ledger(Limits, Scan):
                         top = change
                     if change_unrounded > top_unrounded:
                         top_unrounded = change_unrounded
-                elif state == LIVE:  # died (a storage whose id was taken again while it waited here too)
-                    ref.state = FREED
+                elif state == LIVE or state == ADOPTED:  # died (a storage whose id was taken again while it waited
+                    ref.state = FREED                          # here too)
                     if refs.get(key) is ref:
                         del refs[key]
                     if event is not None:
@@ -132,8 +147,8 @@ class Ledger(Limits, Scan):
                         change_unrounded -= nbytes
                 popleft()
         finally:
-            self._live += change_unrounded
-            self._live_rounded += change
+            self._live += change_unrounded - adopted_unrounded
+            self._live_rounded += change - adopted
             for t in self.tallies:
                 if t.level + top > t.peak:
                     t.peak = t.level + top
@@ -150,16 +165,23 @@ class Ledger(Limits, Scan):
             ref = queue[0]
             key, state = ref.key, ref.state
             if state == QUEUED:  # made inside a block
-                if refs.get(key) is not ref and not claim(refs, ref):
-                    queue.popleft()
-                    continue
+                if refs.get(key) is not ref:
+                    how = claim(refs, ref)
+                    if how != BOOK:
+                        if how == COUNT:  # in the tallies now; the live totals had it
+                            nbytes = sizes.get(key, 0)
+                            self._allocated(nbytes)
+                            self._live -= nbytes
+                            self._live_rounded -= round_up(nbytes)
+                        queue.popleft()
+                        continue
                 if self.listener is not None and self.listener.only is None:  # (queued storages have no label)
                     self.listener.on_alloc(key, ref.nbytes, True)
                 ref.state = LIVE
                 sizes[key] = ref.nbytes
                 self._allocated(ref.nbytes)
-            elif state == LIVE:  # died (a storage whose id was taken again while it waited here too)
-                ref.state = FREED
+            elif state == LIVE or state == ADOPTED:  # died (a storage whose id was taken again while it waited here
+                ref.state = FREED                          # too)
                 if refs.get(key) is ref:
                     del refs[key]
                 if self.listener is not None:
@@ -207,7 +229,7 @@ class Ledger(Limits, Scan):
         if self.listener is not None and self.listener.only in (None, label):  # first: a simulated OOM leaves the
             self.listener.on_alloc(key, nbytes, counted)                       # storage untracked
         ref = StorageRef(storage, self._enqueue)
-        ref.key, ref.nbytes, ref.state = key, nbytes, LIVE
+        ref.key, ref.nbytes, ref.state = key, nbytes, LIVE if counted else ADOPTED
         self._refs[key] = ref
         self.sizes[key] = nbytes
         if label is not None:

@@ -151,8 +151,11 @@ class CountingMode(TorchDispatchMode):
                     ref.key, ref.nbytes, ref.state = key, st.nbytes(), QUEUED
                     # Queued first: a Ctrl-C between these two lines leaves a record the queue books (and
                     # books once, should the storage be queued again), never a storage known but not counted.
+                    # Filed only under a free key: a scan on another thread (Ledger.start) may have filed this
+                    # very storage since the lookup above, and its record must stay (its weak reference books the
+                    # death); one of a dead storage is taken out by its own death, queued before this record.
                     enqueue(ref)
-                    ledger._refs[key] = ref
+                    ledger._refs.setdefault(key, ref)
                 elif known.nbytes != st.nbytes():
                     ledger.see_storage(st)  # resized in place (an out= op): booked at once
             if INTERRUPTS.pending:

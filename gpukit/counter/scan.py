@@ -27,6 +27,10 @@ class Scan:
         runs, which ``gc.get_stats()`` counts). Tensors found before are re-read
         every time, since their ``.grad``, graph or storage may have changed.
         """
+        # The storages found are booked at the end, after what other threads' blocks queued meanwhile: a
+        # thread inside a block holds each new tensor for a moment before queueing its storage, and the scan may
+        # meet it there (Ledger.settle books that one in the tallies when its record comes: claim, COUNT).
+        self._found = found_storages = []
         runs, before = [g["collections"] for g in gc.get_stats()], self._gc_runs
         self._gc_runs = runs
         # The oldest generation collected since the last scan: its survivors moved one generation up.
@@ -74,7 +78,7 @@ class Scan:
             if obj.is_cpu and obj.layout is strided:
                 st = obj.untyped_storage()
                 if id(st) not in sizes:
-                    self._track(st, st.nbytes(), counted=False)
+                    found_storages.append((st, None))
             grad_fn = obj.grad_fn
             if grad_fn is not None:
                 graph_roots.append(grad_fn)
@@ -85,7 +89,7 @@ class Scan:
                 if type(grad) in plain and grad.is_cpu and grad.layout is strided:  # _adopt's common case
                     st = grad.untyped_storage()
                     if id(st) not in sizes:
-                        self._track(st, st.nbytes(), counted=False)
+                        found_storages.append((st, None))
                 else:
                     self._adopt(grad)
         obj = grad = st = None
@@ -97,6 +101,13 @@ class Scan:
             with _disable_current_modes():
                 for t in saved_tensors(graph_roots):
                     self._adopt(t)
+        if found_storages:
+            self.settle()
+            sizes = self.sizes
+            for st, label in found_storages:
+                if id(st) not in sizes:
+                    self._track(st, st.nbytes(), counted=False, label=label)
+            found_storages.clear()
 
     def _keep(self, t: torch.Tensor) -> bool:
         """Whether to keep a weak reference to this tensor object between scans.
@@ -127,7 +138,7 @@ class Scan:
             if t.is_cpu and t.layout is torch.strided:
                 st = t.untyped_storage()
                 if id(st) not in self.sizes:
-                    self._track(st, st.nbytes(), counted=False)
+                    self._found.append((st, None))
             return
         if is_traceable_wrapper_subclass(t):
             for name in t.__tensor_flatten__()[0]:
@@ -142,7 +153,7 @@ class Scan:
         except (RuntimeError, NotImplementedError):  # tensors without storage
             return
         if st is not None and id(st) not in self.sizes:
-            self._track(st, st.nbytes(), counted=False, label=t.device.type if self.fake else None)
+            self._found.append((st, t.device.type if self.fake else None))
 
 
 def _tensor_types() -> frozenset:
