@@ -109,6 +109,7 @@ from torch.overrides import TorchFunctionMode
 from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 from .counter import FAKE_LEDGER
 from .cuda_autocast import CudaAutocast
+from .hoststate import host_steps_hook
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
@@ -324,6 +325,7 @@ class CudaRules(TorchDispatchMode):
         self.sdpa: dict[str, int] = {}  # backend -> calls
         self.unmodelled: dict[str, str] = {}
         self._autocast: list[bool] = []  # the step's autocast regions on the (fake) CPU, innermost last
+        self._hosting = None  # the optimizer step hook that hands step counters to the host (gpukit.hoststate)
 
     # Inside a dispatch mode torch.is_autocast_enabled() reads False (the autocast keys are excluded while a
     # mode runs), so the rules follow the step's autocast regions themselves, from torch.autocast's enter/exit.
@@ -370,9 +372,14 @@ class CudaRules(TorchDispatchMode):
             self._math.__exit__(None, None, None)
             cls.__enter__, cls.__exit__ = self._saved
             raise
-        return super().__enter__()
+        entered = super().__enter__()
+        # CUDA keeps the optimizers' step counters on the host (gpukit.hoststate), where every fake tensor is the GPU's
+        self._hosting = host_steps_hook() if self.gpu is None else None
+        return entered
 
     def __exit__(self, *exc):
+        if self._hosting is not None:
+            self._hosting.remove()
         cls = torch.amp.autocast_mode.autocast
         cls.__enter__, cls.__exit__ = self._saved
         try:

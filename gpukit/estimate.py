@@ -33,6 +33,7 @@ from .allocator import CONTEXT_ALLOWANCE, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
+from .hoststate import gpu_state_only
 from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
                         fake_model, short_repr)
 from .fakecheck import FakeKernelCheck
@@ -344,10 +345,12 @@ def _to_fake(t: torch.Tensor, fake_mode: FakeTensorMode, check: FakeKernelCheck)
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
-    """What a training step starts with: parameters, buffers, gradients, optimizer state and the batch."""
+    """What a training step starts with: parameters, buffers, gradients, optimizer state and the batch (while the
+    CUDA rules apply, less the optimizer state a CUDA run keeps on the host: ``gpukit.hoststate``)."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += gpu_state_only([v for state in optimizer.state.values() for v in state.values()
+                               if isinstance(v, torch.Tensor)], optimizer)
     tensors += batch_tensors(batch)
     return tensors
 

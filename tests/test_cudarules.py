@@ -26,7 +26,8 @@ def test_cuda_adam_is_the_foreach_implementation():
     cuda = predict(wide_mlp, lambda p: torch.optim.Adam(p), batch, device="cuda")
     cpu_foreach = predict(wide_mlp, lambda p: torch.optim.Adam(p, foreach=True), batch, device="cpu")
     cpu_default = predict(wide_mlp, lambda p: torch.optim.Adam(p), batch, device="cpu")
-    assert cuda.peak - cuda.workspaces == cpu_foreach.peak
+    # (less Adam's step counters, which CUDA keeps on the host: gpukit.hoststate)
+    assert cuda.peak - cuda.workspaces == cpu_foreach.peak - round_up(4) * len(list(wide_mlp().parameters()))
     assert cpu_foreach.peak != cpu_default.peak  # the two implementations make different temporaries
 
 

@@ -257,15 +257,17 @@ def test_with_everything_on_the_gpu_the_simulated_gpu_is_predict_cudas_step_to_t
 def test_adamws_step_counters_are_on_the_host_where_cuda_keeps_them():
     """Device: meta (a simulated GPU) and cpu (the host). Left to choose, AdamW on CUDA takes the foreach
     implementation, which keeps each parameter's step counter on the host (torch/optim/adam.py ``_init_group``:
-    on the parameter's device only if capturable or fused): 512 bytes a parameter that the simulated GPU does not
-    hold and predict(device="cuda"), with one memory, counts."""
+    on the parameter's device only if capturable or fused): 512 bytes a parameter that neither the simulated GPU
+    nor predict(device="cuda"), with one memory, holds (gpukit.hoststate); a CPU run's one memory holds them."""
     offloaded, kept, _ = split()
     n = len(offloaded + kept)
     default = lambda ps: torch.optim.AdamW(ps)
     simulated = predict_offload(llama, default, text_batch, hf_step)
-    on_cpu = predict(llama, default, text_batch, hf_step, device="cuda")
+    on_cuda = predict(llama, default, text_batch, hf_step, device="cuda")
+    on_cpu = predict(llama, default, text_batch, hf_step, device="cpu", breakdown=False)
     assert simulated.host_state == n * STEP
-    assert on_cpu.before_step - simulated.device_state == on_cpu.peak - simulated.device_peak == n * STEP
+    assert (on_cuda.before_step, on_cuda.peak) == (simulated.device_state, simulated.device_peak)
+    assert on_cpu.before_step - (on_cuda.before_step - on_cuda.workspaces) == n * STEP
 
 
 def test_a_prediction_with_torchao_leaves_nothing_for_the_next_one():

@@ -62,6 +62,9 @@ class Ledger(Limits, Scan):
         # collection, where CPython drops any exception, a KeyboardInterrupt from Ctrl-C included.
         self._gc_runs: list[int] | None = None
         self._found: list = []  # a scan's storages not yet booked: (storage, label), booked at its end
+        # Storages that stand for host memory where the counted ones stand for a GPU's (a CUDA run keeps an
+        # optimizer's step counters on the host: gpukit.hoststate), by key: never counted, never placed
+        self.host: dict[int, StorageRef] = {}
         self._kinds = TensorKinds()
 
     # -- bookkeeping ---------------------------------------------------------
@@ -242,6 +245,29 @@ class Ledger(Limits, Scan):
             if label is not None:
                 self.live_by_label[label] = self.live_by_label.get(label, 0) + round_up(nbytes)
 
+    def to_host(self, st: torch.UntypedStorage) -> None:
+        """Count ``st`` as host memory from now on, where the counted storages stand for a GPU's: out of the books
+        if it is in them (a free, in every open block and on the simulated device), and never counted again,
+        whatever op returns it (``hosted``)."""
+        with self._lock:
+            self.settle()
+            key = id(st)
+            ref = self._refs.get(key)
+            if ref is not None and ref() is st and key in self.sizes:
+                del self._refs[key]
+                ref.state = FREED  # its death, to come through the queue, is not counted
+                if self.listener is not None:
+                    self.listener.on_free(key)
+                self._freed(self.sizes.pop(key), self.labels.pop(key, None))
+            if len(self.host) >= 4096:  # those that died
+                self.host = {k: r for k, r in self.host.items() if r() is not None}
+            self.host[key] = StorageRef(st)
+
+    def hosted(self, st: torch.UntypedStorage) -> bool:
+        """Whether ``st`` is host memory (``to_host``)."""
+        ref = self.host.get(id(st))
+        return ref is not None and ref() is st
+
     def _storage_of(self, t: torch.Tensor) -> torch.UntypedStorage | None:
         if t.layout is not torch.strided or is_traceable_wrapper_subclass(t):
             return None
@@ -268,6 +294,8 @@ class Ledger(Limits, Scan):
                 self._refs.pop(key).state = FREED  # its death, still to come through the queue, is not counted
                 known = None
             if known is None:
+                if self.host and self.hosted(st):
+                    return
                 error = self._over_budget(nbytes)
                 self._track(st, nbytes, counted=True, label=label)
             elif known != nbytes:
@@ -436,7 +464,7 @@ class Ledger(Limits, Scan):
         return bool(self.tallies) or any(m.blocks for m in self._pushed)
 
 
-INTERRUPTS.protect(claim, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
+INTERRUPTS.protect(claim, Ledger.to_host, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
                    Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 

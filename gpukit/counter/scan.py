@@ -105,7 +105,7 @@ class Scan:
             self.settle()
             sizes = self.sizes
             for st, label in found_storages:
-                if id(st) not in sizes:
+                if id(st) not in sizes and not (self.host and self.hosted(st)):
                     self._track(st, st.nbytes(), counted=False, label=label)
             found_storages.clear()
 

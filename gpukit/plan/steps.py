@@ -15,6 +15,7 @@ from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up, saved_tensors
 from ..estimate import distinct_storages, state_bytes, storage_bytes
+from ..hoststate import gpu_state_only
 from ..factories import fake_model, quiet_import, swappable_fakes, valueless
 from ..step import (batch_device, batch_tensors, first_samples, half_with_float_batchnorm, micro_backward,
                     micro_batches, train_step)
@@ -351,11 +352,12 @@ def prefix_residual(found: dict) -> int:
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
-    """The optimizer's state as ``gpukit.estimate.state_bytes`` counts it (each storage once, rounded), less what
-    it shares with the model (parameters, buffers, gradients)."""
+    """The optimizer's state as ``gpukit.estimate.state_bytes`` counts it (each storage once, rounded; for CUDA,
+    less what it keeps on the host), less what it shares with the model (parameters, buffers, gradients)."""
     model_storages = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(),
                                                         *(p.grad for p in model.parameters() if p.grad is not None)]}
-    storages = distinct_storages(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    storages = distinct_storages(gpu_state_only([v for s in optimizer.state.values() for v in s.values()
+                                                 if torch.is_tensor(v)], optimizer))
     return sum(round_up(n) for key, n in storages.items() if key not in model_storages)
 
 

@@ -1,0 +1,106 @@
+"""The optimizer state a CUDA run keeps in host memory, not on the GPU: the step counters of torch.optim's
+built-in optimizers.
+
+``_init_group`` makes each parameter's ``state["step"]`` with ``torch.tensor(0.0, dtype=_get_scalar_dtype())``,
+on the CPU, unless the group is capturable or fused ("Deliberately host `step` on CPU if both capturable and fused
+are off. This is because kernel launches are costly on CUDA and XLA": torch/optim/adam.py, which AdamW inherits;
+adamax.py, adadelta.py, nadam.py (its ``mu_product`` too), radam.py, rmsprop.py and rprop.py alike; adagrad.py
+unless fused; _adafactor.py always). ASGD keeps its counters on the parameter's device (asgd.py), and SGD has none.
+
+A prediction for CUDA runs on fake CPU tensors that stand for the GPU, so these counters would count as GPU
+memory there: 512 B a parameter, which the CUDA allocator never sees (18 of them on the deep MLP that an H100
+measured). ``host_state_tensors`` names them. While the CUDA rules apply (``cuda_rules_apply``), the optimizer
+step that makes them hands them to the host (``host_steps_hook``: out of the fake counter's books and the
+simulated card), and the state a step starts with leaves them out (``gpu_state_only``). The step that makes
+them still counts them until its end (a prediction's warm-up step, as a rule).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .counter import FAKE_LEDGER
+
+# optimizer class -> the keys of its per-parameter state it makes on the CPU unless capturable or fused
+_HOSTED = {"Adam": ("step",), "Adamax": ("step",), "Adadelta": ("step",), "Adagrad": ("step",),
+           "NAdam": ("step", "mu_product"), "RAdam": ("step",), "RMSprop": ("step",), "Rprop": ("step",),
+           "Adafactor": ("step",)}
+
+
+def _hosted_keys(optimizer) -> tuple[str, ...]:
+    for cls in type(optimizer).__mro__:  # (AdamW is an Adam; a user's subclass keeps its parent's _init_group)
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _HOSTED:
+            return _HOSTED[cls.__name__]
+    return ()
+
+
+def host_state_tensors(optimizer) -> list[torch.Tensor]:
+    """The state tensors of ``optimizer`` that a CUDA run keeps on the host: the step counters (0-dim) of a
+    built-in torch.optim optimizer, in groups neither capturable nor fused; those of each inner optimizer of a
+    ``gpukit.OptimizerInBackward``. Empty for any other optimizer."""
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, dict):  # gpukit.bigmodel.OptimizerInBackward: one optimizer per parameter
+        return [t for opt in inner.values() for t in host_state_tensors(opt)]
+    keys = _hosted_keys(optimizer)
+    if not keys:
+        return []
+    found = []
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            found += [state[k] for k in keys if isinstance(state.get(k), torch.Tensor) and state[k].dim() == 0]
+    return found
+
+
+_THREAD = threading.local()  # .rules: CUDA rules open on this thread with every fake tensor the GPU's
+
+
+def cuda_rules_apply() -> bool:
+    """Whether this thread predicts for CUDA with fake CPU tensors standing for the GPU (a ``CudaRules`` of every
+    tensor is open on it: ``host_steps_hook``), so that a host tensor among them is not the GPU's."""
+    return getattr(_THREAD, "rules", 0) > 0
+
+
+def gpu_state_only(tensors, optimizer) -> list[torch.Tensor]:
+    """``tensors`` less the optimizer's host state (``host_state_tensors``) while the CUDA rules apply."""
+    if not cuda_rules_apply():
+        return list(tensors)
+    host = {id(t) for t in host_state_tensors(optimizer)}
+    return [t for t in tensors if id(t) not in host] if host else list(tensors)
+
+
+class _Hosting:
+    """What ``host_steps_hook`` returns: ``remove()`` takes the hook off and ends this thread's CUDA rules."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+            _THREAD.rules -= 1
+
+
+def host_steps_hook() -> _Hosting:
+    """For a ``CudaRules`` of every tensor, entered on this thread: register an optimizer step post hook that hands
+    each optimizer's host state (``host_state_tensors``) to the host in the fake tensors' counter
+    (``Ledger.to_host``) on the threads where such rules are open, and count this thread as one of them until
+    ``remove()``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def hook(optimizer, args, kwargs):
+        if cuda_rules_apply():
+            for t in host_state_tensors(optimizer):
+                FAKE_LEDGER.to_host(t.untyped_storage())
+
+    hosting = _Hosting(register_optimizer_step_post_hook(hook))
+    _THREAD.rules = getattr(_THREAD, "rules", 0) + 1
+    return hosting
+
+
+__all__ = ["host_state_tensors", "cuda_rules_apply", "gpu_state_only", "host_steps_hook"]
