@@ -4,6 +4,7 @@ counts the process (allocations on every thread inside a block, and every free),
 import sys
 import threading
 
+import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -127,29 +128,20 @@ def adopt_as_a_scan_would(t):
         LEDGER._track(st, st.nbytes(), counted=False)
 
 
-def test_a_storage_a_scan_adopted_before_its_maker_queued_it_is_booked_once_if_it_dies_first():
+@pytest.mark.parametrize("read_while_alive", [False, True], ids=["dies-before-booked", "booked-alive"])
+def test_a_storage_a_scan_adopted_before_its_maker_queued_it_is_booked_once_and_counted_in_the_block(
+        read_while_alive):
     with gpukit.measure(device="cpu", record=False):
         pass
     before = LEDGER.live_rounded
     with gpukit.measure(device="cpu", record=False) as r:
         t = torch.ones(1000)
         adopt_as_a_scan_would(t)
-        del t  # both records of the storage come through the queue dead
+        if read_while_alive:
+            assert LEDGER.live_rounded == before + round_up(4000)  # booked once
+        del t  # (not read before: both records of the storage come through the queue dead)
     assert LEDGER.live_rounded == before
     assert (r.peak, r.delta) == (round_up(4000), 0)  # made in the block: counted in it
-
-
-def test_a_storage_a_scan_adopted_before_its_maker_queued_it_is_counted_in_the_block():
-    with gpukit.measure(device="cpu", record=False):
-        pass
-    before = LEDGER.live_rounded
-    with gpukit.measure(device="cpu", record=False) as r:
-        t = torch.ones(1000)
-        adopt_as_a_scan_would(t)
-        assert LEDGER.live_rounded == before + round_up(4000)  # booked, alive
-        del t
-    assert LEDGER.live_rounded == before
-    assert (r.peak, r.delta) == (round_up(4000), 0)
 
 
 def test_a_budget_on_one_thread_caps_a_measured_block_on_another():
