@@ -553,10 +553,13 @@ def run_notebooks(notebooks: list[Path], workers: int, deadline: float, to: Path
                   torch_version: str) -> list[dict]:
     """Run the notebooks, ``workers`` at a time, each stored in ``to`` with its outputs by tests/notebooks_on_card.py
     (which stops its notebook at the deadline); one still running NOTEBOOK_GRACE_S past it is killed. Returns each
-    notebook's summary; a notebook never started has ``cut`` set and no file."""
+    notebook's summary, in the order given (not the order they ended in, which the machine's load decides); a
+    notebook never started has ``cut`` set and no file."""
     pending, running, results = list(notebooks), {}, []
+    order = {nb.stem: i for i, nb in enumerate(notebooks)}
     try:
-        return _run_notebooks(pending, running, results, workers, deadline, to, logs, card, torch_version)
+        results = _run_notebooks(pending, running, results, workers, deadline, to, logs, card, torch_version)
+        return sorted(results, key=lambda r: order.get(r["notebook"], len(order)))
     except BaseException:             # told to end (SIGTERM): no kernel outlives the check
         for proc, out in running.values():
             stop(proc, 0.0)
