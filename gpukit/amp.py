@@ -87,6 +87,7 @@ class CardAmp:
         # the scalers met, by id: (a weak reference, the state to put back). Weak: one the step makes and drops is
         # freed as on the card, and one of the user's is alive at the end to be put back.
         self._adopted: dict[int, tuple[weakref.ref, dict]] = {}
+        self._own: dict[int, weakref.ref] = {}  # gpukit's ScalerThatAlwaysSteps met, by id: run as they are
         self._mirrored: list = []  # (autocast region, the device's (enabled, dtype) before it), innermost last
 
     # -- the block ------------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class CardAmp:
                 while self._mirrored:  # a region the step left open (it raised inside a with block it did not leave)
                     self._unmirror(self._mirrored[-1][0])
             finally:
-                adopted, self._adopted = self._adopted, {}
+                adopted, self._adopted, self._own = self._adopted, {}, {}
                 try:
                     for ref, state in adopted.values():
                         scaler = ref()
@@ -134,7 +135,7 @@ class CardAmp:
     def scaler_tensors(self) -> list[torch.Tensor]:
         """The tensors the step's scalers keep between steps (scale, growth tracker): on the card when a step
         starts."""
-        scalers = [ref() for ref, _ in self._adopted.values()]
+        scalers = [ref() for ref, _ in self._adopted.values()] + [ref() for ref in self._own.values()]
         return [t for s in scalers if s is not None for t in scaler_tensors(s)]
 
     # -- scalers --------------------------------------------------------------------------------------------------
@@ -142,7 +143,11 @@ class CardAmp:
         """Met ``scaler`` in the step: its state is kept, to be put back at the end, and it runs from a fresh start
         (gpukit's own ``ScalerThatAlwaysSteps``, made for fake runs, runs as it is)."""
         key = id(scaler)
-        if isinstance(scaler, ScalerThatAlwaysSteps) or (key in self._adopted and self._adopted[key][0]() is scaler):
+        if isinstance(scaler, ScalerThatAlwaysSteps):  # its state is the step's too: counted, left as it is
+            if key not in self._own or self._own[key]() is not scaler:
+                self._own[key] = weakref.ref(scaler)
+            return
+        if key in self._adopted and self._adopted[key][0]() is scaler:
             return
         self._adopted[key] = (weakref.ref(scaler), scaler_state(scaler))
         enable = (self.cuda and not scaler_enabled(scaler) and scaler_device(scaler) == "cuda"

@@ -1,8 +1,8 @@
 """The GPU run recorded in data/runs/ replayed: its rows, read as data, predicted for the card that measured them.
 Device: cpu (predicting for the NVIDIA H100 80GB HBM3 that recorded data/runs/nvidia-h100-80gb-hbm3.csv with
 torch 2.11.0+cu130). ``python3 kit.py bench recorded_runs`` replays every row and lists those still off by more
-than 0.5%; this test replays three whose memory is the optimizer step's, the host's and the bias gradient's sum
-(with the staging buffer CUDA's reduction kernel takes), which the predictor follows to the byte."""
+than 0.5%; this test replays four that the predictor follows to the byte: their memory is the optimizer step's, the
+host's, the bias gradient's sum (with the staging buffer CUDA's reduction kernel takes), and AMP fp16's."""
 
 from __future__ import annotations
 
@@ -38,13 +38,14 @@ def test_the_recorded_rows_are_read_as_data_and_name_their_card(replay):
     assert all(int(r["peak_bytes"]) >= int(r["state_bytes"]) > 0 for r in h100)
 
 
-@pytest.mark.parametrize("technique", ["offload saved activations", "accumulation k=4", "baseline"])
+@pytest.mark.parametrize("technique", ["offload saved activations", "accumulation k=4", "baseline", "AMP fp16"])
 def test_a_recorded_h100_row_is_predicted_to_the_byte(replay, technique):
     """The deep MLP, 8192 samples a step: with saved activations on the host the GPU's peak is the optimizer
     step's; with 4 micro-batches too. AdamW's 18 step counters (512 B each) are on the host, not the GPU
     (torch/optim/adam.py: on the parameter's device only when capturable or fused; gpukit.hoststate). The
     baseline's peak is the sum of the last hidden layer's (8192, 4096) gradient into its bias's, while CUDA's
-    reduction kernel holds its 132 MiB staging buffer (gpukit.cudarules: Reduce.cuh's global_memory_size)."""
+    reduction kernel holds its 132 MiB staging buffer (gpukit.cudarules: Reduce.cuh's global_memory_size). AMP fp16
+    keeps its GradScaler's scale and growth tracker (512 B each) on the GPU between steps."""
     row = next(r for r in replay.recorded_rows() if r["model"] == "deep mlp 4096x8" and r["technique"] == technique)
     got = replay.predict_row(row)
     assert got["card"] == "h100" and got["predicted_workspace_bytes"] > 0
