@@ -109,7 +109,7 @@ from torch.overrides import TorchFunctionMode
 from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 from .counter import FAKE_LEDGER
 from .cuda_autocast import CudaAutocast
-from .hoststate import host_steps_hook
+from .hoststate import host_steps_hook, run_capturable_off
 
 TORCH_RULES_VERSION = "2.11"
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_addmm_activation"}
@@ -271,12 +271,13 @@ def reduction_staging_blocks(input: torch.Tensor, dims, capability: tuple[int, i
 
 def use_cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> bool:
     """Set ``foreach=True`` in every parameter group that left both ``foreach`` and ``fused`` unset (and is not
-    differentiable), as CUDA parameters get by default; returns whether any group changed."""
+    differentiable), as CUDA parameters get by default, and run a capturable group without capturable, its step
+    counters on the GPU (``gpukit.hoststate.run_capturable_off``); returns whether any group changed."""
     from .bigmodel import OptimizerInBackward
 
     if isinstance(optimizer, OptimizerInBackward):  # the per-parameter optimizers do the steps
         return any([use_cuda_optimizer_defaults(inner) for inner in optimizer.optimizers.values()])
-    changed = False
+    changed = run_capturable_off(optimizer)
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") \
                 and not group.get("differentiable", False):

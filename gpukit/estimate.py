@@ -33,7 +33,7 @@ from .allocator import CONTEXT_ALLOWANCE, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
-from .hoststate import gpu_state_only
+from .hoststate import gpu_state_only, ran_capturable_off
 from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
                         fake_model, short_repr)
 from .fakecheck import FakeKernelCheck
@@ -300,6 +300,11 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
         workspaces = rules.workspaces()
         unverified.update(rules.unmodelled)
+        if ran_capturable_off(optimizer):
+            unverified["capturable=True"] = (
+                "the optimizer step ran without capturable, which runs only with its tensors on a GPU (torch asserts "
+                "it), its step counters kept on the GPU as capturable keeps them: the scalar tensors capturable's step "
+                "makes on the GPU besides (bias corrections, torch/optim/adam.py) are not counted")
     before += workspaces
     before_unrounded += workspaces
     if workspaces and reserved_peak is not None:  # each workspace is a cudaMalloc'd block of its own

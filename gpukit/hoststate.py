@@ -18,6 +18,7 @@ them still counts them until its end (a prediction's warm-up step, as a rule).
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -36,6 +37,33 @@ def _hosted_keys(optimizer) -> tuple[str, ...]:
     return ()
 
 
+# optimizer -> ids of its groups made capturable by the user, run with capturable off (``run_capturable_off``)
+_CAPTURABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def run_capturable_off(optimizer) -> bool:
+    """Turn ``capturable`` off in the groups of a built-in optimizer that have it on, noting them; returns whether
+    any had. A capturable step runs only with its tensors on a GPU (``_get_capturable_supported_devices``:
+    torch/optim/adam.py asserts it), and a prediction's fake CPU tensors stand for the GPU: the group runs the
+    step without it, and its step counters stay on the GPU, as capturable keeps them (``host_state_tensors``).
+    What capturable's step makes besides (its bias corrections as GPU tensors) is not counted: say so."""
+    groups = [g for g in getattr(optimizer, "param_groups", ()) if g.get("capturable")]
+    if not groups or not _hosted_keys(optimizer):
+        return False
+    for g in groups:
+        g["capturable"] = False
+    _CAPTURABLE.setdefault(optimizer, set()).update(id(g) for g in groups)
+    return True
+
+
+def ran_capturable_off(optimizer) -> bool:
+    """Whether ``run_capturable_off`` turned capturable off in any group of ``optimizer`` (or of its inner ones)."""
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, dict):
+        return any(ran_capturable_off(opt) for opt in inner.values())
+    return bool(_CAPTURABLE.get(optimizer))
+
+
 def host_state_tensors(optimizer) -> list[torch.Tensor]:
     """The state tensors of ``optimizer`` that a CUDA run keeps on the host: the step counters (0-dim) of a
     built-in torch.optim optimizer, in groups neither capturable nor fused; those of each inner optimizer of a
@@ -46,9 +74,9 @@ def host_state_tensors(optimizer) -> list[torch.Tensor]:
     keys = _hosted_keys(optimizer)
     if not keys:
         return []
-    found = []
+    found, on_gpu = [], _CAPTURABLE.get(optimizer, ())
     for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("fused"):
+        if group.get("capturable") or group.get("fused") or id(group) in on_gpu:
             continue
         for p in group["params"]:
             state = optimizer.state.get(p, {})
@@ -103,4 +131,5 @@ def host_steps_hook() -> _Hosting:
     return hosting
 
 
-__all__ = ["host_state_tensors", "cuda_rules_apply", "gpu_state_only", "host_steps_hook"]
+__all__ = ["host_state_tensors", "cuda_rules_apply", "gpu_state_only", "host_steps_hook", "run_capturable_off",
+           "ran_capturable_off"]

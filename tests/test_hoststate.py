@@ -54,3 +54,12 @@ def test_a_storage_handed_to_the_host_leaves_the_books_and_is_not_counted_again(
         finally:
             FAKE_LEDGER.stop(tally)
     assert (tally.peak, tally.level) == (COUNTER, 0)  # made in the block, then the host's
+
+
+def test_a_capturable_optimizer_is_predicted_for_cuda_with_its_counters_on_the_gpu_and_says_what_it_left_out():
+    # capturable runs only with its tensors on a GPU (torch asserts it); the fake CPU tensors stand for one.
+    capturable = predict(MODEL, lambda p: torch.optim.Adam(p, capturable=True), BATCH, card="h100", breakdown=False)
+    plain_on_cpu = predict(MODEL, lambda p: torch.optim.Adam(p), BATCH, device="cpu", breakdown=False)
+    assert capturable.before_step - capturable.workspaces == plain_on_cpu.before_step  # counters and all on the GPU
+    assert "capturable=True" in capturable.unverified_ops
+    assert "capturable=True" not in predict(MODEL, lambda p: torch.optim.Adam(p), BATCH, card="h100").unverified_ops
