@@ -25,13 +25,15 @@ import torch
 from .counter import FAKE_LEDGER
 
 # optimizer class -> the keys of its per-parameter state it makes on the CPU unless capturable or fused
-_HOSTED = {"Adam": ("step",), "Adamax": ("step",), "Adadelta": ("step",), "Adagrad": ("step",),
+_HOSTED = {"Adam": ("step",), "AdamW": ("step",), "Adamax": ("step",), "Adadelta": ("step",), "Adagrad": ("step",),
            "NAdam": ("step", "mu_product"), "RAdam": ("step",), "RMSprop": ("step",), "Rprop": ("step",),
            "Adafactor": ("step",)}
 
 
 def _hosted_keys(optimizer) -> tuple[str, ...]:
-    for cls in type(optimizer).__mro__:  # (AdamW is an Adam; a user's subclass keeps its parent's _init_group)
+    # (AdamW is an Adam in torch 2.13, and its own class with the same _init_group before; a user's subclass keeps
+    # its parent's _init_group)
+    for cls in type(optimizer).__mro__:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in _HOSTED:
             return _HOSTED[cls.__name__]
     return ()
