@@ -111,27 +111,20 @@ class Ledger(Limits, Scan):
                 ref = queue[0]
                 key, state = ref.key, ref.state
                 if state == QUEUED:  # made inside a block
-                    if refs.get(key) is not ref:
-                        how = claim(refs, ref)
-                        if how != BOOK:
-                            if how == COUNT:
-                                nbytes = sizes.get(key, 0)
-                                rounded = (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK
-                                change += rounded
-                                change_unrounded += nbytes
-                                adopted += rounded
-                                adopted_unrounded += nbytes
-                                if change > top:
-                                    top = change
-                                if change_unrounded > top_unrounded:
-                                    top_unrounded = change_unrounded
-                            popleft()
-                            continue
-                    nbytes = ref.nbytes
-                    if event is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
-                        event((key, nbytes))
-                    ref.state = LIVE
-                    sizes[key] = nbytes
+                    how = BOOK if refs.get(key) is ref else claim(refs, ref)
+                    if how == BOOK:
+                        nbytes = ref.nbytes
+                        if event is not None and nbytes > 0:  # CUDA hands out no block for an empty storage
+                            event((key, nbytes))
+                        ref.state = LIVE
+                        sizes[key] = nbytes
+                    elif how == COUNT:  # adopted by a scan: in the live totals already, in the tallies now
+                        nbytes = sizes.get(key, 0)
+                        adopted += (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK
+                        adopted_unrounded += nbytes
+                    else:
+                        popleft()
+                        continue
                     change += (nbytes + ALIGNMENT_LESS_ONE) & ALIGNMENT_MASK  # round_up, written out
                     change_unrounded += nbytes
                     if change > top:
@@ -168,16 +161,15 @@ class Ledger(Limits, Scan):
             ref = queue[0]
             key, state = ref.key, ref.state
             if state == QUEUED:  # made inside a block
-                if refs.get(key) is not ref:
-                    how = claim(refs, ref)
-                    if how != BOOK:
-                        if how == COUNT:  # in the tallies now; the live totals had it
-                            nbytes = sizes.get(key, 0)
-                            self._allocated(nbytes)
-                            self._live -= nbytes
-                            self._live_rounded -= round_up(nbytes)
-                        queue.popleft()
-                        continue
+                how = BOOK if refs.get(key) is ref else claim(refs, ref)
+                if how != BOOK:
+                    if how == COUNT:  # adopted by a scan: in the live totals already, in the tallies now
+                        nbytes = sizes.get(key, 0)
+                        self._allocated(nbytes)
+                        self._live -= nbytes
+                        self._live_rounded -= round_up(nbytes)
+                    queue.popleft()
+                    continue
                 if self.listener is not None and self.listener.only is None:  # (queued storages have no label)
                     self.listener.on_alloc(key, ref.nbytes, True)
                 ref.state = LIVE
