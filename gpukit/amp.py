@@ -144,8 +144,7 @@ class CardAmp:
         (gpukit's own ``ScalerThatAlwaysSteps``, made for fake runs, runs as it is)."""
         key = id(scaler)
         if isinstance(scaler, ScalerThatAlwaysSteps):  # its state is the step's too: counted, left as it is
-            if key not in self._own or self._own[key]() is not scaler:
-                self._own[key] = weakref.ref(scaler)
+            self._own[key] = weakref.ref(scaler)
             return
         if key in self._adopted and self._adopted[key][0]() is scaler:
             return

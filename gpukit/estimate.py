@@ -354,8 +354,8 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     CUDA rules apply, less the optimizer state a CUDA run keeps on the host: ``gpukit.hoststate``)."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += gpu_state_only([v for state in optimizer.state.values() for v in state.values()
-                               if isinstance(v, torch.Tensor)], optimizer)
+    tensors += gpu_state_only(v for state in optimizer.state.values() for v in state.values()
+                              if isinstance(v, torch.Tensor))
     tensors += batch_tensors(batch)
     return tensors
 

@@ -11,8 +11,9 @@ A prediction for CUDA runs on fake CPU tensors that stand for the GPU, so these 
 memory there: 512 B a parameter, which the CUDA allocator never sees (18 of them on the deep MLP that an H100
 measured). ``host_state_tensors`` names them. While the CUDA rules apply (``cuda_rules_apply``), the optimizer
 step that makes them hands them to the host (``host_steps_hook``: out of the fake counter's books and the
-simulated card), and the state a step starts with leaves them out (``gpu_state_only``). The step that makes
-them still counts them until its end (a prediction's warm-up step, as a rule).
+simulated card), and the state a step starts with leaves out what the counter holds as the host's
+(``gpu_state_only``). The step that makes them still counts them until its end (a prediction's warm-up step,
+as a rule).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def _hosted_keys(optimizer) -> tuple[str, ...]:
 _CAPTURABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _inner(optimizer) -> list | None:
+    """The per-parameter optimizers of a ``gpukit.OptimizerInBackward`` (None for any other optimizer)."""
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner.values()) if isinstance(inner, dict) else None
+
+
 def run_capturable_off(optimizer) -> bool:
     """Turn ``capturable`` off in the groups of a built-in optimizer that have it on, noting them; returns whether
     any had. A capturable step runs only with its tensors on a GPU (``_get_capturable_supported_devices``:
@@ -60,9 +67,9 @@ def run_capturable_off(optimizer) -> bool:
 
 def ran_capturable_off(optimizer) -> bool:
     """Whether ``run_capturable_off`` turned capturable off in any group of ``optimizer`` (or of its inner ones)."""
-    inner = getattr(optimizer, "optimizers", None)
-    if isinstance(inner, dict):
-        return any(ran_capturable_off(opt) for opt in inner.values())
+    inner = _inner(optimizer)
+    if inner is not None:
+        return any(ran_capturable_off(opt) for opt in inner)
     return bool(_CAPTURABLE.get(optimizer))
 
 
@@ -70,9 +77,9 @@ def host_state_tensors(optimizer) -> list[torch.Tensor]:
     """The state tensors of ``optimizer`` that a CUDA run keeps on the host: the step counters (0-dim) of a
     built-in torch.optim optimizer, in groups neither capturable nor fused; those of each inner optimizer of a
     ``gpukit.OptimizerInBackward``. Empty for any other optimizer."""
-    inner = getattr(optimizer, "optimizers", None)
-    if isinstance(inner, dict):  # gpukit.bigmodel.OptimizerInBackward: one optimizer per parameter
-        return [t for opt in inner.values() for t in host_state_tensors(opt)]
+    inner = _inner(optimizer)
+    if inner is not None:
+        return [t for opt in inner for t in host_state_tensors(opt)]
     keys = _hosted_keys(optimizer)
     if not keys:
         return []
@@ -95,12 +102,12 @@ def cuda_rules_apply() -> bool:
     return getattr(_THREAD, "rules", 0) > 0
 
 
-def gpu_state_only(tensors, optimizer) -> list[torch.Tensor]:
-    """``tensors`` less the optimizer's host state (``host_state_tensors``) while the CUDA rules apply."""
-    if not cuda_rules_apply():
+def gpu_state_only(tensors) -> list[torch.Tensor]:
+    """``tensors`` less those whose storage the fake counter holds as host memory (``host_steps_hook`` handed
+    them over when the optimizer step that made them ended)."""
+    if not FAKE_LEDGER.host:
         return list(tensors)
-    host = {id(t) for t in host_state_tensors(optimizer)}
-    return [t for t in tensors if id(t) not in host] if host else list(tensors)
+    return [t for t in tensors if t.layout is not torch.strided or not FAKE_LEDGER.hosted(t.untyped_storage())]
 
 
 class _Hosting:

@@ -356,8 +356,8 @@ def optimizer_state_bytes(model: nn.Module, optimizer) -> int:
     less what it keeps on the host), less what it shares with the model (parameters, buffers, gradients)."""
     model_storages = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(),
                                                         *(p.grad for p in model.parameters() if p.grad is not None)]}
-    storages = distinct_storages(gpu_state_only([v for s in optimizer.state.values() for v in s.values()
-                                                 if torch.is_tensor(v)], optimizer))
+    storages = distinct_storages(gpu_state_only(v for s in optimizer.state.values() for v in s.values()
+                                                if torch.is_tensor(v)))
     return sum(round_up(n) for key, n in storages.items() if key not in model_storages)
 
 
