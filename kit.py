@@ -869,7 +869,7 @@ def run_tests(end: float, logs: Path, pytest_args: list[str], problems: list[str
         per_test = ["-p", "timeout", f"--timeout={max(10, int((deadline - time.monotonic()) / 2))}"] if timeout else []
         began = time.monotonic()
         print(f"== tests ({name}): {deadline - began:.0f} s at most", flush=True)
-        code = run_until([VENV_PY, "-m", "pytest", "-p", "xdist", "-n", str(min(16, cores)), "-m", "not browser",
+        code = run_until([VENV_PY, "-m", "pytest", "-p", "xdist", "-n", str(min(16, cores)), "-m", "not notebook",
                           "-p", "no:cacheprovider", f"--junitxml={junit}", *per_test, *pytest_args, *selection],
                          deadline, logs / f"tests-{name.lower()}.log", env=test_environment())
         total, failed, skipped = read_junit(junit)

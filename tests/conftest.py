@@ -49,11 +49,19 @@ SLOW_FILES = ("test_plan_bounds.py", "test_plan_ranking.py", "test_plan_qlora.py
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The notebooks in the browser first (each takes 25 to 160 s; test_browser orders them longest first), then
-    the slowest unit tests' files, then the rest, which fill in around them: with each test sent to the next free
-    worker (``--maxschedchunk 1``, kit.py), the two workers finish within a short test of each other."""
-    items.sort(key=lambda item: (item.get_closest_marker("browser") is None,  # stable: each group keeps its order
-                                 item.path.name not in SLOW_FILES))
+    """The notebooks first, in the browser or not, longest first (each takes 10 to 80 s), then the slowest unit
+    tests' files, then the rest, which fill in around them: with each test sent to the next free worker
+    (``--maxschedchunk 1``, kit.py), the two workers finish within a short test of each other."""
+    from notebook_outputs import LONGEST_FIRST
+
+    def rank(item) -> tuple:
+        if item.get_closest_marker("notebook") is None:
+            return 1, item.path.name not in SLOW_FILES, 0
+        stem = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
+        prefix = stem.name[:2] if stem is not None else ""
+        return 0, False, LONGEST_FIRST.index(prefix) if prefix in LONGEST_FIRST else -1
+
+    items.sort(key=rank)  # stable: each group keeps its order
 
 
 def pytest_collection_finish(session):

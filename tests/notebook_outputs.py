@@ -28,6 +28,52 @@ NOTEBOOKS = ROOT / "notebooks"
 MAX_BYTES = 1024 * 1024          # each stored notebook: at most 1 MiB
 DEVICE = "cpu"                   # the device the stored run used (no GPU is assumed to be at hand)
 TIMEOUT_S = 900                  # one cell
+# Longest first (seconds in the browser, two workers, 2026-11-27: 14 161, 01 100, 09 62, 13 55, 08 50, 05 44, 06 39,
+# 12 37, 11 35, 03 35, 00 33, 10 31, 07 30, 04 29, 02 27): conftest runs the notebooks before the unit tests, each on
+# the next free worker, so the two workers end together instead of one running every notebook.
+LONGEST_FIRST = ["14", "01", "09", "13", "08", "05", "06", "12", "11", "03", "00", "10", "07", "04", "02"]
+README_NOTEBOOK = "00_where_memory_goes"   # its explorer (toggles, role bars and table) is the README's picture
+# What only a browser can show to fail: a widget's view ("Error displaying widget") and a script's error in the page.
+FRONT_END = ("application/vnd.jupyter.widget-view+json", "application/javascript")
+
+
+def longest_first(paths) -> list[Path]:
+    return sorted(paths, key=lambda p: (LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in LONGEST_FIRST else -1,
+                                        p.name))
+
+
+def front_end_outputs(nb: dict) -> list[str]:
+    """The front-end outputs of a notebook (a widget's view, JavaScript), as ``cell N: mime type``."""
+    return [f"cell {i}: {mime}" for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"
+            for out in cell.get("outputs", []) for mime in out.get("data", {}) if mime in FRONT_END]
+
+
+def in_the_browser(path: Path) -> bool:
+    """Whether tests/test_browser.py runs this notebook: its stored outputs hold a widget or JavaScript, which only
+    a browser shows to fail, or it is the README's picture. The others run in a kernel alone
+    (tests/test_notebooks.py), which fails if their run makes such an output after all."""
+    return path.stem == README_NOTEBOOK or bool(front_end_outputs(json.loads(path.read_text())))
+
+
+def copy_repository(dest: Path) -> Path:
+    """A copy of notebooks/ beside links to the rest of the repository (paths such as ../data work as in the
+    repository, while what a run writes lands in the copy). The notebooks lose their outputs and execution counts,
+    so every count seen later is from this run. Returns the copy of notebooks/."""
+    import shutil
+
+    dest.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name != "notebooks" and not entry.name.startswith("."):
+            (dest / entry.name).symlink_to(entry)
+    notebooks = dest / "notebooks"
+    shutil.copytree(NOTEBOOKS, notebooks, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    for path in notebooks.glob("*.ipynb"):
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"], cell["execution_count"] = [], None
+        path.write_text(json.dumps(nb, indent=1))
+    return notebooks
 
 
 def code_digest(nb: dict) -> str:

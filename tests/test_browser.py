@@ -1,10 +1,14 @@
-"""Every notebook, run once, in JupyterLab in a real browser: no cell error, every widget renders, no page error.
+"""The notebooks a browser must see, run once in JupyterLab in a real browser: no cell error, every widget renders,
+no page error.
 
-This is the suite's one run of each notebook. It checks what nbval --nbval-lax checks (every code cell runs,
-and none outputs an error unless it is tagged raises-exception: the notebooks' asserts are their claims) and
-what only a browser shows: a widget whose front end fails shows "Error displaying widget" while nbval passes,
-and a script error in the page breaks what the reader sees. nbval stays for one notebook at a time
-(`pytest notebooks/04_gradient_accumulation.ipynb`), without a browser.
+A notebook runs here when its stored outputs hold a widget or JavaScript (``notebook_outputs.in_the_browser``), and
+the README's picture does: a widget whose front end fails shows "Error displaying widget" while its kernel reports
+no error, and a script error in the page breaks what the reader sees. The other notebooks print text, tables and
+plots, which no front end runs: they run in a kernel alone (tests/test_notebooks.py), for about half the CPU time
+that JupyterLab and Chromium add around the same run, and fail there if they make such an output after all. The
+checks here are what nbval --nbval-lax checks (every code cell runs, and none outputs an error unless it is tagged
+raises-exception: the notebooks' asserts are their claims) and what only a browser shows. nbval stays for one
+notebook at a time (`pytest notebooks/04_gradient_accumulation.ipynb`), without a browser.
 
 It starts JupyterLab on a free local port, over a copy of notebooks/ (autosave writes nothing into the
 repository), opens each notebook in headless Chromium driven by Playwright (found or installed as
@@ -17,7 +21,7 @@ refreshed with
 
     GPUKIT_README_PICTURE=docs/notebook.png python3 kit.py test tests/test_browser.py -k 00_where
 
-Skip these tests with `-m "not browser"`.
+Skip these tests with `-m "not browser"`, and every notebook's run with `-m "not notebook"`.
 """
 
 from __future__ import annotations
@@ -38,15 +42,10 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import sync_playwright
 
 from find_chromium import NoChromium, find_chromium
+from notebook_outputs import README_NOTEBOOK, copy_repository, in_the_browser, longest_first
 
 ROOT = Path(__file__).resolve().parent.parent
-# Longest first (seconds in the browser, two workers, 2026-11-27: 14 161, 01 100, 09 62, 13 55, 08 50, 05 44, 06 39,
-# 12 37, 11 35, 03 35, 00 33, 10 31, 07 30, 04 29, 02 27): conftest runs these before the unit tests, each on the next
-# free worker, so the two workers end together instead of one running every notebook.
-_LONGEST_FIRST = ["14", "01", "09", "13", "08", "05", "06", "12", "11", "03", "00", "10", "07", "04", "02"]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"),
-                   key=lambda p: (_LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in _LONGEST_FIRST else -1, p.name))
-README_NOTEBOOK = "00_where_memory_goes"   # its explorer (toggles, role bars and table) is the README's picture
+NOTEBOOKS = [p for p in longest_first((ROOT / "notebooks").glob("*.ipynb")) if in_the_browser(p)]
 RUN_TIMEOUT_S = 300                         # one notebook's cells; they take 5-40 s on two cores
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -58,7 +57,7 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.notebook, pytest.mark.browser]
 
 
 def api(lab, method: str, path: str):
@@ -76,25 +75,6 @@ def shut_down_kernels(lab) -> None:
         api(lab, "DELETE", f"sessions/{session['id']}")
     for kernel in api(lab, "GET", "kernels"):
         api(lab, "DELETE", f"kernels/{kernel['id']}")
-
-
-def copy_repository(dest: Path) -> Path:
-    """A copy of notebooks/ beside links to the rest of the repository (paths such as ../data work as in the
-    repository, while autosave writes into the copy). The notebooks lose their outputs and execution counts,
-    so every count seen later is from this run. Returns the copy of notebooks/."""
-    dest.mkdir()
-    for entry in ROOT.iterdir():
-        if entry.name != "notebooks" and not entry.name.startswith("."):
-            (dest / entry.name).symlink_to(entry)
-    notebooks = dest / "notebooks"
-    shutil.copytree(ROOT / "notebooks", notebooks, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    for path in notebooks.glob("*.ipynb"):
-        nb = json.loads(path.read_text())
-        for cell in nb["cells"]:
-            if cell["cell_type"] == "code":
-                cell["outputs"], cell["execution_count"] = [], None
-        path.write_text(json.dumps(nb, indent=1))
-    return notebooks
 
 
 @pytest.fixture(scope="module")

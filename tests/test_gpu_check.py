@@ -115,7 +115,7 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     # The CUDA tests first, then the others without them, each with xdist.
     cuda, other = (c for c in ran if "pytest" in c)
     assert cuda[-1] == "tests/test_cuda_thing.py" and "--ignore=tests/test_cuda_thing.py" in other
-    assert ["-p", "xdist"] == cuda[3:5] and "not browser" in cuda
+    assert ["-p", "xdist"] == cuda[3:5] and "not notebook" in cuda
 
 
 def test_a_stage_past_its_deadline_is_cut_and_reported(tmp_path, monkeypatch):
