@@ -302,11 +302,12 @@ class PlanSearch(Ranking):
 
     def lower_bound(self, c: Candidate) -> int:
         """Model state and the optimizer step alone: the floor's peak where it was predicted, or is worth
-        predicting (what the step starts with, and twice the parameters for the optimizer step's temporaries,
-        would be over the budget), else what the floor's step starts with."""
+        predicting (what the step starts with, and twice the gradients for the optimizer step's temporaries, would be
+        over the budget: an optimizer steps only what has a gradient, so a frozen base, LoRA's or QLoRA's, adds
+        none), else what the floor's step starts with."""
         info, extra = self.state_info(c), self.state_change(c) + self.allowance
         key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
-        if key in self.floors or (info["before"] + extra <= self.limit < info["before"] + 2 * info["params"] + extra):
+        if key in self.floors or (info["before"] + extra <= self.limit < info["before"] + 2 * info["grads"] + extra):
             return self.floor(c)["peak"] + extra
         return info["before"] + extra
 
