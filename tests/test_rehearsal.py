@@ -153,8 +153,8 @@ def test_a_cell_on_fake_tensors_measures_the_bytes_of_the_real_one():
 def test_a_notebook_over_the_limit_is_stopped_and_not_counted_as_rehearsed(tmp_path, monkeypatch):
     monkeypatch.setenv(REHEARSE_VAR, "h100")  # the runner's own setting wins, and is put back
     path = notebook(tmp_path, "assert True", "import time\ntime.sleep(60)", "assert False")
-    row = rehearsal.rehearse(path, "cpu", 6)
-    assert row["status"].startswith("not rehearsed to its end: over 6 s") and row["fits"] is False
+    row = rehearsal.rehearse(path, "cpu", 3)
+    assert row["status"].startswith("not rehearsed to its end: over 3 s") and row["fits"] is False
     assert row["assertions"] == 1  # the report still comes, after the interrupt
     import os
 
@@ -165,8 +165,8 @@ def test_a_notebook_over_the_limit_is_stopped_and_not_counted_as_rehearsed(tmp_p
                         "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
                         name="97_stubborn")
     # With a progress file the killed kernel's findings up to its last cell stay in the row.
-    row = rehearsal.rehearse(stubborn, "cpu", 6, grace=3, progress=tmp_path / "progress.json")
-    assert row["status"] == "not rehearsed to its end: over 6 s, and killed 3 s after"
+    row = rehearsal.rehearse(stubborn, "cpu", 3, grace=2, progress=tmp_path / "progress.json")
+    assert row["status"] == "not rehearsed to its end: over 3 s, and killed 2 s after"
     assert (row["assertions"], row["failed"], row["fits"]) == (1, 0, False)
 
 
