@@ -18,7 +18,8 @@ from .counter import CompileRanEagerWarning, allocated_size, allocated_size_rang
 from .plan import plan
 from .meter import measure, resolve_device
 from .report import MemoryReport, clear_history, format_bytes, history, keep_history, last, parse_bytes
-from .simulated import CardRun, SimulatedCuda, on_card
+from .oncard import CardRun, on_card
+from .simulated import SimulatedCuda
 from .traffic import Traffic, copies
 from .warmup import warm_up
 

@@ -14,7 +14,8 @@ from gpukit.allocator import CachingAllocator, cpu_device
 from gpukit.cards import card
 from gpukit.counter import LEDGER, allocated_size
 from gpukit.lessons.claims import ClaimFailed, claim, measured_on
-from gpukit.simulated import SimulatedCuda, on_card, simulated_cuda
+from gpukit.oncard import on_card
+from gpukit.simulated import SimulatedCuda, simulated_cuda
 
 MiB = 2**20
 

@@ -42,7 +42,7 @@ class SimulatedDevice:
     _MAX_UNITS = 8  # signatures kept, of units seen and of units recorded (a long step's is long)
     _MAX_WAIT = 64  # a unit that repeats without leaving the state unchanged is checked again after 1, 2, 4...
     # Whether an allocation the device cannot hold raises CUDA's out-of-memory error (a run on a simulated card,
-    # gpukit.simulated.on_card) rather than stopping the simulation (a real CPU program bigger than the device).
+    # gpukit.oncard.on_card) rather than stopping the simulation (a real CPU program bigger than the device).
     raise_oom = False
 
     def __init__(self, total_memory: int | str = 80 * 1024**3, config: str | AllocatorConfig | None = None, *,
