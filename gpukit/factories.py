@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ._torch import (SUPPORTED_NODES, DataDependentOutputException, FakeTensor, FakeTensorMode, TorchDispatchMode,
                      _disable_current_modes, _get_current_dispatch_mode_stack, active_fake_mode, tree_flatten)
@@ -132,6 +133,23 @@ class ValuesWhileBuilding(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
+        self._lists: list[TensorsFromFakeLists] = []
+
+    def __enter__(self):
+        lists = TensorsFromFakeLists()  # (a torch-function mode: entered with this one, left with it)
+        lists.__enter__()
+        self._lists.append(lists)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._lists.pop().__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._lists.pop().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _FILLS and valueless(args[0]):
@@ -146,6 +164,54 @@ class ValuesWhileBuilding(TorchDispatchMode):
                     "float" if t.is_floating_point() or t.is_complex() else "int")
             self.made_up[kind] = self.made_up.get(kind, 0) + 1
             return self.MADE_UP[kind]
+
+
+class TensorsFromFakeLists(TorchFunctionMode):
+    """``torch.tensor(data)`` and ``torch.as_tensor(data)`` of a list (or tuple, nested) holding fake tensors, run on
+    fake tensors: PyTorch's C++ reads each element's data pointer (torch/csrc/utils/tensor_new.cpp,
+    ``internal_new_from_data``), which a fake tensor has none of ("The tensor has a non-zero number of elements, but
+    its data is not allocated yet"). A builder that scales its rotary frequencies so (torchtune's Llama 3.1 RoPE:
+    ``torch.tensor([f(x) for x in freqs])``) then builds on fake tensors. The result is what torch makes: the
+    list's shape, each element a one-element tensor or a number, the dtype torch infers (``promote_types`` of the
+    elements' dtypes, a Python float the default dtype, an int int64, a bool bool) unless ``dtype=`` says, on
+    ``device=`` or the default device, not tracking gradients unless ``requires_grad=True``. Any other data goes
+    to torch as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)):
+            found = _list_leaves(args[0])
+            if found is not None and any(isinstance(x, FakeTensor) for x in found[1]):
+                return _tensor_from_leaves(*found, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _list_leaves(data) -> tuple[tuple[int, ...], list] | None:
+    """The shape of a nested list and its elements in order, or None where torch would refuse it (ragged, or an
+    element of more than one value) or it holds something else."""
+    if isinstance(data, (list, tuple)):
+        parts = [_list_leaves(d) for d in data]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) > 1:
+            return None
+        return (len(data),) + (parts[0][0] if parts else ()), [x for p in parts for x in p[1]]
+    if isinstance(data, torch.Tensor):
+        return ((), [data]) if data.numel() == 1 else None
+    if isinstance(data, (bool, int, float)):
+        return (), [data]
+    return None
+
+
+def _tensor_from_leaves(shape, leaves, dtype=None, device=None, requires_grad=False, pin_memory=False):
+    if dtype is None:
+        for x in leaves:
+            kind = (x.dtype if isinstance(x, torch.Tensor) else torch.bool if isinstance(x, bool)
+                    else torch.int64 if isinstance(x, int) else torch.get_default_dtype())
+            dtype = kind if dtype is None else torch.promote_types(dtype, kind)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    values = [x.detach().reshape(()).to(device=device, dtype=dtype) if isinstance(x, torch.Tensor)
+              else torch.tensor(x, dtype=dtype, device=device) for x in leaves]
+    out = torch.stack(values).reshape(shape)
+    return out.requires_grad_() if requires_grad else out
 
 
 # Initialisers that fill a tensor in place (normal_, uniform_, zeros, a constant): they allocate nothing and change

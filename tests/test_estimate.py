@@ -583,6 +583,79 @@ def test_an_integer_read_from_weights_while_building_is_named_by_the_prediction_
         p.unverified_ops["aten._local_scalar_dense"]
 
 
+def _llama31_scaled_frequencies(dim: int, theta: float = 500000.0, scale_factor: float = 8.0, low: float = 1.0,
+                                high: float = 4.0, old_context_len: int = 8192) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency scaling as its reference code writes it (and torchtune's Llama3ScaledRoPE after
+    it): each frequency a 0-d tensor, compared, scaled, and the list made a tensor again."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
+    low_wavelen, high_wavelen = old_context_len / low, old_context_len / high
+    new = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            new.append(freq)
+        elif wavelen > low_wavelen:
+            new.append(freq / scale_factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            new.append((1 - smooth) * freq / scale_factor + smooth * freq)
+    return torch.tensor(new, dtype=freqs.dtype, device=freqs.device)
+
+
+class _ScaledRoPE(torch.nn.Module):
+    def __init__(self, dim: int = 32, seq: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(dim, dim)
+        angles = torch.outer(torch.arange(seq).float(), _llama31_scaled_frequencies(dim))
+        self.register_buffer("cos", angles.cos().repeat(1, 2))
+        self.head = torch.nn.Linear(dim, 4)
+
+    def forward(self, x):
+        return self.head((self.embed(x) * self.cos).mean(1))
+
+
+def test_a_model_that_makes_a_tensor_from_a_list_of_tensors_is_predicted_exactly_on_the_cpu():
+    """Device: cpu (predicted on fake tensors, measured for real). torch.tensor of a list of 0-d tensors reads each
+    one's data in C++, which a fake tensor has none of: building such a model raised "The tensor has a non-zero
+    number of elements, but its data is not allocated yet". It is built on fake tensors, and predicted to the byte."""
+    make_batch = lambda: (torch.randn(4, 16, 32), torch.randint(0, 4, (4,)))  # noqa: E731
+    adamw = lambda p: torch.optim.AdamW(p)  # noqa: E731
+    p = predict(_ScaledRoPE, adamw, make_batch, device="cpu")
+    assert p.peak == measured_step_peak(_ScaledRoPE, adamw, make_batch, device="cpu")
+
+
+def test_a_tensor_made_from_a_list_of_fake_tensors_is_the_one_torch_makes_from_real_ones():
+    """Device: cpu, fake tensors. Shape, dtype (torch's promotion, the dtype asked for), device and requires_grad as
+    torch makes them from the same lists of real tensors and numbers; what torch refuses it still refuses."""
+    from gpukit._torch import FakeTensorMode
+    from gpukit.factories import ValuesWhileBuilding
+
+    cases = [
+        lambda a, b, h: ([a, a * 2], {}), lambda a, b, h: ([b, 1.5], {}), lambda a, b, h: ([h, 2.0], {}),
+        lambda a, b, h: ([h, b], {}), lambda a, b, h: ([[a], [a + 1]], {}), lambda a, b, h: ((a, 3, True), {}),
+        lambda a, b, h: ([a.reshape(1), b], {"dtype": torch.float64}), lambda a, b, h: ([a, a], {"requires_grad": True}),
+    ]
+
+    def made(fake: bool, case, func=torch.tensor):
+        values = (torch.tensor(1.5), torch.tensor(2), torch.tensor(0.5, dtype=torch.float16))
+        if not fake:
+            data, kwargs = case(*values)
+            return func(data, **kwargs)
+        with FakeTensorMode() as mode, ValuesWhileBuilding():
+            data, kwargs = case(*(mode.from_tensor(v) for v in values))
+            return func(data, **kwargs)
+
+    for case in cases:
+        for func in (torch.tensor, torch.as_tensor) if case is cases[0] else (torch.tensor,):
+            real, fake = made(False, case, func), made(True, case, func)
+            assert (fake.shape, fake.dtype, fake.device, fake.requires_grad) == \
+                (real.shape, real.dtype, real.device, real.requires_grad)
+    with pytest.raises(ValueError, match="only one element tensors"):
+        made(True, lambda a, b, h: ([a.expand(2), a.expand(2)], {}))
+
+
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_torchaos_low_bit_optimizers_are_refused_by_name_with_what_to_do_instead(name):
     """Device: none. torchao's low-bit optimizers step through torch.compile(fullgraph=True), which cannot run under
