@@ -34,8 +34,8 @@ from .amp import CardAmp
 from .counter import FAKE_LEDGER, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .hoststate import gpu_state_only, ran_capturable_off
-from .factories import (ValuesWhileBuilding, check_factories, check_factory, check_model_factory, check_optimizer,
-                        fake_model, short_repr)
+from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_factory, check_model_factory,
+                        check_optimizer, fake_model, short_repr)
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -242,8 +242,9 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     # The step's torch.autocast("cuda") and GradScaler run as on the card (gpukit.amp). Real tensors the step meets
     # (a batch sliced from real data, say) become fake ones.
     amp = CardAmp("cpu", cuda=kind == "cuda", capability=getattr(rules, "capability", (9, 0)))
+    # (TensorsFromFakeLists: torch.tensor of a list of the step's fake tensors, as the build gets it too)
     with amp, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
-            follow(FAKE_LEDGER, fresh=True) as simulated:
+            TensorsFromFakeLists(), follow(FAKE_LEDGER, fresh=True) as simulated:
         # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
         # converts afresh: a new storage counted per use. Copies stay in this mode, as on a real device.
@@ -492,7 +493,7 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
     check_model_factory(make_model)
     check_factory(make_input, "make_input", "lambda: torch.zeros(...)", builds="the input")
     rows: list[dict] = []
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, TensorsFromFakeLists():
         model = fake_model(make_model)
         # an input that already exists (lambda: x) is read through a fake copy, as predict() reads a batch
         x = map_tensors(lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t), make_input())

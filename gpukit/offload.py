@@ -56,7 +56,8 @@ from .allocator import CachingAllocator, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, gc_paused, round_up
-from .factories import ValuesWhileBuilding, check_factories, check_optimizer, fake_model, swappable_fakes
+from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_optimizer, fake_model,
+                        swappable_fakes)
 from .report import format_bytes, html_table
 from .step import map_tensors, train_step
 from .traffic import Traffic, copies
@@ -362,7 +363,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
     # The step's torch.autocast("cuda") and GradScaler run as on the card, as far as meta tensors allow (gpukit.amp).
     amp = CardAmp(SIMULATED_DEVICE, cuda=True, capability=rules.capability)
     with amp, gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            cuda_stand_ins(), card_kernels(rules.capability), rules, \
+            cuda_stand_ins(), card_kernels(rules.capability), rules, TensorsFromFakeLists(), \
             follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]

@@ -626,6 +626,34 @@ def test_a_model_that_makes_a_tensor_from_a_list_of_tensors_is_predicted_exactly
     assert p.peak == measured_step_peak(_ScaledRoPE, adamw, make_batch, device="cpu")
 
 
+class _ListInForward(torch.nn.Module):
+    """A forward that makes a tensor of per-row norms from a list of 0-d tensors, as a step logging or weighting
+    its parts does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.layer(x)
+        weights = torch.tensor([row.norm() for row in out.detach()], device=x.device)
+        return out * weights[:, None]
+
+
+def test_a_step_that_makes_a_tensor_from_a_list_of_tensors_is_predicted_exactly_on_the_cpu():
+    """Device: cpu (predicted on fake tensors, measured for real); and the simulated GPU of predict_offload."""
+    from gpukit.offload import predict_offload
+
+    make_batch = lambda: (torch.randn(8, 16), torch.randint(0, 4, (8,)))  # noqa: E731
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    p = predict(_ListInForward, sgd, make_batch, device="cpu")
+    assert p.peak == measured_step_peak(_ListInForward, sgd, make_batch, device="cpu")
+    assert predict_offload(_ListInForward, sgd, make_batch, card="t4").device_step_peak > 0
+    from gpukit.plan import plan  # its facts of the model run a forward on fake tensors too
+
+    assert plan(_ListInForward, sgd, make_batch, "16GB", device="cuda", verify=False).choice.candidate.label == "plain"
+
+
 def test_a_tensor_made_from_a_list_of_fake_tensors_is_the_one_torch_makes_from_real_ones():
     """Device: cpu, fake tensors. Shape, dtype (torch's promotion, the dtype asked for), device and requires_grad as
     torch makes them from the same lists of real tensors and numbers; what torch refuses it still refuses."""
@@ -635,7 +663,8 @@ def test_a_tensor_made_from_a_list_of_fake_tensors_is_the_one_torch_makes_from_r
     cases = [
         lambda a, b, h: ([a, a * 2], {}), lambda a, b, h: ([b, 1.5], {}), lambda a, b, h: ([h, 2.0], {}),
         lambda a, b, h: ([h, b], {}), lambda a, b, h: ([[a], [a + 1]], {}), lambda a, b, h: ((a, 3, True), {}),
-        lambda a, b, h: ([a.reshape(1), b], {"dtype": torch.float64}), lambda a, b, h: ([a, a], {"requires_grad": True}),
+        lambda a, b, h: ([a.reshape(1), b], {"dtype": torch.float64}),
+        lambda a, b, h: ([a, a], {"requires_grad": True}),
     ]
 
     def made(fake: bool, case, func=torch.tensor):

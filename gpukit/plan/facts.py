@@ -17,8 +17,8 @@ from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
 from ..estimate import storage_bytes
-from ..factories import (ValuesWhileBuilding, check_model, check_optimizer, fake_copy, preload_quietly, quiet_import,
-                         real_tensors)
+from ..factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_model, check_optimizer, fake_copy,
+                         preload_quietly, quiet_import, real_tensors)
 from ..step import batch_size, batch_tensors, checkpoint_plan, is_pair_batch, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
@@ -98,7 +98,7 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     from torch.utils.flop_counter import FlopCounterMode
 
     preload_quietly()
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, TensorsFromFakeLists():
         with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
             model = make_model()
         check_model(model)

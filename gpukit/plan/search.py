@@ -15,7 +15,7 @@ import torch
 from .._torch import FakeTensorMode
 from ..cudarules import CudaRules, use_cuda_optimizer_defaults
 from ..estimate import CONTEXT_ALLOWANCE, predict, state_bytes
-from ..factories import ValuesWhileBuilding
+from ..factories import TensorsFromFakeLists, ValuesWhileBuilding
 from ..report import format_bytes
 from ..step import micro_loss
 from .candidates import (
@@ -584,7 +584,7 @@ class PlanSearch(Ranking):
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with FakeTensorMode(allow_non_fake_inputs=True), TensorsFromFakeLists():
                 model = model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
                 batch = slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 # The forward and the loss, as the step runs them under save_on_cpu, whose place fake_save_on_cpu takes.
