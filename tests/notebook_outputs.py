@@ -28,10 +28,10 @@ NOTEBOOKS = ROOT / "notebooks"
 MAX_BYTES = 1024 * 1024          # each stored notebook: at most 1 MiB
 DEVICE = "cpu"                   # the device the stored run used (no GPU is assumed to be at hand)
 TIMEOUT_S = 900                  # one cell
-# Longest first (seconds in the browser, two workers, 2026-11-27: 14 161, 01 100, 09 62, 13 55, 08 50, 05 44, 06 39,
-# 12 37, 11 35, 03 35, 00 33, 10 31, 07 30, 04 29, 02 27): conftest runs the notebooks before the unit tests, each on
-# the next free worker, so the two workers end together instead of one running every notebook.
-LONGEST_FIRST = ["14", "01", "09", "13", "08", "05", "06", "12", "11", "03", "00", "10", "07", "04", "02"]
+# Longest first (seconds each, two workers, 2026-11-28: 14 56, 01 39, 00 18 in the browser, 09 17, 13 15, 06 11, 11 11,
+# 08 10, 10 9, 05 9, 03 8, the rest less): conftest runs the notebooks before the unit tests, each on the next free
+# worker, so the two workers end together instead of one running every notebook.
+LONGEST_FIRST = ["14", "01", "00", "09", "13", "06", "11", "08", "10", "05", "03", "12", "07", "04", "02"]
 README_NOTEBOOK = "00_where_memory_goes"   # its explorer (toggles, role bars and table) is the README's picture
 # What only a browser can show to fail: a widget's view ("Error displaying widget") and a script's error in the page.
 FRONT_END = ("application/vnd.jupyter.widget-view+json", "application/javascript")
