@@ -179,10 +179,12 @@ class TensorsFromFakeLists(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)):
-            found = _list_leaves(args[0])
+        if func is torch.tensor or func is torch.as_tensor:
+            named = dict(kwargs)  # (both take the data alone by position: tensor(data, *, dtype=None, ...))
+            data = args[0] if args else named.pop("data", None)
+            found = _list_leaves(data) if isinstance(data, (list, tuple)) else None
             if found is not None and any(isinstance(x, FakeTensor) for x in found[1]):
-                return _tensor_from_leaves(*found, **kwargs)
+                return _tensor_from_leaves(*found, **named)
         return func(*args, **kwargs)
 
 

@@ -676,8 +676,9 @@ def test_a_tensor_made_from_a_list_of_fake_tensors_is_the_one_torch_makes_from_r
             data, kwargs = case(*(mode.from_tensor(v) for v in values))
             return func(data, **kwargs)
 
+    by_keyword = lambda data, **kwargs: torch.tensor(data=data, **kwargs)  # noqa: E731
     for case in cases:
-        for func in (torch.tensor, torch.as_tensor) if case is cases[0] else (torch.tensor,):
+        for func in (torch.tensor, torch.as_tensor, by_keyword) if case is cases[6] else (torch.tensor,):
             real, fake = made(False, case, func), made(True, case, func)
             assert (fake.shape, fake.dtype, fake.device, fake.requires_grad) == \
                 (real.shape, real.dtype, real.device, real.requires_grad)
