@@ -44,6 +44,8 @@ from .steps import (
     prefix_residual,
     prefix_step,
     slice_batch,
+    state_by_foreach,
+    stateless,
     step_for,
 )
 from .ranking import Ranking
@@ -54,30 +56,6 @@ from .ranking import Ranking
 # an optimizer stepped in backward, or one that frees each gradient once copied to the host, frees them all there,
 # where another optimizer's step starts with the last step's gradients (zero_grad frees them first).
 FREED = "forward, gradients freed"
-
-
-@contextlib.contextmanager
-def _state_by_foreach(optimizer):
-    """A for-loop step's state, made by the foreach step: the state is made by the optimizer's ``_init_group``,
-    which both implementations call alike (torch/optim/adam.py: only ``fused`` and ``capturable`` change where
-    ``step`` lives), and the foreach step dispatches a few ops over all parameters where the for-loop one
-    dispatches each per parameter (``gpukit.estimate._foreach_warmup`` makes a warm-up so). Only the state is
-    read from such a step (``PlanSearch.state_info``), never its peak."""
-    optimizers = list(getattr(optimizer, "optimizers", {}).values()) or [optimizer]  # stepped in backward: one each
-    changed = [(g, g["foreach"]) for opt in optimizers for g in getattr(opt, "param_groups", [])
-               if "foreach" in g and not g["foreach"] and not g.get("fused") and not g.get("differentiable", False)]
-    for g, _ in changed:
-        g["foreach"] = True
-    try:
-        yield
-    finally:
-        for g, was in changed:
-            g["foreach"] = was
-
-
-def _stateless(params) -> torch.optim.Optimizer:
-    """The optimizer of a prefix run (``PlanSearch.prefix``): it is never stepped, and has no state."""
-    return torch.optim.SGD(params, lr=0.1)
 
 
 class PlanSearch(Ranking):
@@ -280,7 +258,7 @@ class PlanSearch(Ranking):
                     optimizer = self.optimizers[c.optimizer][0](model.parameters())
                 if self.device == "cuda":
                     use_cuda_optimizer_defaults(optimizer)
-                with _state_by_foreach(optimizer), StateAlone():
+                with state_by_foreach(optimizer), StateAlone():
                     optimizer_only_step(info)(model, optimizer, ())
                 info["before"] = state_bytes(model, optimizer)[0]
             self.states[key] = info
@@ -424,7 +402,7 @@ class PlanSearch(Ranking):
 
         for last_only in (True, False):  # accumulation: its last micro-batch alone, unless that cannot tell
             found = {}
-            p = predict(model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora), _stateless,
+            p = predict(model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora), stateless,
                         slice_batch(self.make_batch, self.rank_batch // c.accumulate * proxy_k, self.facts.batch_size),
                         step=prefix_step(c, proxy_k, self.loss, found, enough, last_only), warmup_steps=0,
                         device=self.device, card=self.card, breakdown=False)

@@ -539,3 +539,27 @@ def optimizer_only_step(info: dict):
         info["state"] = optimizer_state_bytes(model, optimizer)  # all of it, as a prediction counts it
 
     return step
+
+
+@contextlib.contextmanager
+def state_by_foreach(optimizer):
+    """A for-loop step's state, made by the foreach step: the state is made by the optimizer's ``_init_group``,
+    which both implementations call alike (torch/optim/adam.py: only ``fused`` and ``capturable`` change where
+    ``step`` lives), and the foreach step dispatches a few ops over all parameters where the for-loop one
+    dispatches each per parameter (``gpukit.estimate._foreach_warmup`` makes a warm-up so). Only the state is
+    read from such a step (``gpukit.plan.search.PlanSearch.state_info``), never its peak."""
+    optimizers = list(getattr(optimizer, "optimizers", {}).values()) or [optimizer]  # stepped in backward: one each
+    changed = [(g, g["foreach"]) for opt in optimizers for g in getattr(opt, "param_groups", [])
+               if "foreach" in g and not g["foreach"] and not g.get("fused") and not g.get("differentiable", False)]
+    for g, _ in changed:
+        g["foreach"] = True
+    try:
+        yield
+    finally:
+        for g, was in changed:
+            g["foreach"] = was
+
+
+def stateless(params) -> torch.optim.Optimizer:
+    """The optimizer of a prefix run (``gpukit.plan.search.PlanSearch.prefix``): never stepped, it has no state."""
+    return torch.optim.SGD(params, lr=0.1)
