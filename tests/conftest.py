@@ -57,8 +57,8 @@ def pytest_collection_modifyitems(session, config, items):
     def rank(item) -> tuple:
         if item.get_closest_marker("notebook") is None:
             return 1, item.path.name not in SLOW_FILES, 0
-        stem = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
-        prefix = stem.name[:2] if stem is not None else ""
+        path = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
+        prefix = path.name[:2] if path is not None else ""
         return 0, False, LONGEST_FIRST.index(prefix) if prefix in LONGEST_FIRST else -1
 
     items.sort(key=rank)  # stable: each group keeps its order

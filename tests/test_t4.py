@@ -170,10 +170,10 @@ def test_notebook_07s_gpu_side_is_on_the_simulated_t4_with_the_bytes_predicted(m
     """Device: cpu (the notebook's own simulated T4, its GPU side on meta beside the host, fake tensors), as a T4
     rehearsal runs it. The notebook's measure() at a T4's sizes: with everything on the GPU the step reaches the peak
     predict(card="t4") gives it, less what a prediction, which has no host, puts on the GPU besides: the batch (the
-    notebook makes it on the host and copies it), less the loss measure() keeps and train_step does not; the allocator a rehearsal reads
-    (cpu_device()) saw that peak, not 0; the table on the host takes exactly three tables off the card between
-    steps; and an H100's table (4 GiB, 16 with its gradient and Adam's moments) with everything on the GPU does not
-    fit the T4, while on the host it does."""
+    notebook makes it on the host and copies it), less the loss measure() keeps and train_step does not; the
+    allocator a rehearsal reads (cpu_device()) saw that peak, not 0; the table on the host takes exactly three tables
+    off the card between steps; and an H100's table (4 GiB, 16 with its gradient and Adam's moments) with everything
+    on the GPU does not fit the T4, while on the host it does."""
     from gpukit.allocator import cpu_device, reset_cpu_device
     from gpukit.lessons.sizes import REHEARSE_VAR, SIZES
 

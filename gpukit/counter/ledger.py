@@ -456,7 +456,8 @@ class Ledger(Limits, Scan):
         return bool(self.tallies) or any(m.blocks for m in self._pushed)
 
 
-INTERRUPTS.protect(claim, Ledger.to_host, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick, Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
+INTERRUPTS.protect(claim, Ledger.to_host, Ledger.start, Ledger.stop, Ledger.settle, Ledger._settle_quick,
+                   Ledger._settle_each, Ledger.see_storage, Ledger._track, Ledger._allocated,
                    Ledger._freed, Ledger.adopt_existing, Ledger.check_request,
                    Ledger._patch_storage_resize, Ledger._unpatch_storage_resize, Ledger._forget_dead_threads)
 
