@@ -11,12 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gpukit._torch import in_backward as autograd_running
 from gpukit.estimate import predict
 from gpukit.lessons.data import digit_tokens_batch
 from gpukit.lessons.models import GPTConfig, TinyGPT
 from gpukit.plan import DEFAULT_CARD, Techniques
 from gpukit.plan.search import PlanSearch
-from gpukit.plan.steps import model_maker, step_for
+from gpukit.plan.steps import model_maker, prefix_residual, step_for
 from gpukit.step import resolve_loss
 
 SGD = {"SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}
@@ -93,17 +94,19 @@ def test_before_the_optimizer_step_every_optimizer_allocates_the_same_but_for_it
 # -- bounds from a prefix of the step (no warm-up, no optimizer step) ---------------------------------------------
 
 
-def llama_case(batch: int = 8):
-    """A transformers Llama (tied embeddings) trained with the loss it computes, from a padded dict batch."""
+def llama_case(batch: int = 8, length: int = 32):
+    """A transformers Llama (tied embeddings) trained with the loss it computes, from a padded dict batch of
+    ``length`` tokens a sequence."""
     transformers = pytest.importorskip("transformers")
 
     def make_model():
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=max(64, length),
                                           tie_word_embeddings=True, use_cache=False)
         return transformers.LlamaForCausalLM(config)
 
-    ids = torch.randint(0, 256, (batch, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[::2, -8:] = 0
     batch_ = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
@@ -138,11 +141,16 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     need = {c: exhaustive.evaluate(c).need for c in exhaustive.candidates()}
     plain = max(need.values())
     checked = {}
+    residuals: dict = {}  # fraction -> configuration -> what its prefix left allocated but its gradients
+    search_module = sys.modules["gpukit.plan.search"]
     for fraction in (10.0, 1.0, 0.3):  # the end of the forward (hopeless); the whole prefix; its middle
         search = search_for(case, "cuda", limit=int(plain * fraction), **options)
         search.hopeless = 0.0 if fraction == 1.0 else search.hopeless
         for c in search.candidates():
-            search.prefix(c)
+            with monkeypatch.context() as m:
+                m.setattr(search_module, "prefix_residual", lambda found, c=c, f=fraction: residuals.setdefault(
+                    f, {}).setdefault(search.configuration(c), prefix_residual(found)))
+                search.prefix(c)
             for floor in (False, True):
                 bound = search.phase_bound(c, floor=floor)
                 if bound is not None:
@@ -150,6 +158,13 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
                     checked[fraction, floor] = checked.get((fraction, floor), 0) + 1
         assert search.predictions == len({search.configuration(c) for c in search.candidates()})
     assert all(checked.get((f, False)) for f in (10.0, 1.0, 0.3)) and checked.get((1.0, True))
+    # Wherever a prefix stops (never in backward, where a checkpointed module's forward runs again and the graph is
+    # still held), what it leaves is what the whole prefix leaves: a module's cache, never its graph.
+    # (less only by what the step makes later: a GradScaler's scale and growth tracker, 1,024 bytes once rounded)
+    for f in (10.0, 0.3):
+        for key, left in residuals[f].items():
+            assert residuals[1.0][key] - (1024 if key[0] == "fp16" else 0) <= left <= residuals[1.0][key], \
+                (f, key, left, residuals[1.0][key])
     whole = search_for(case, "cuda", limit=int(plain), **options)
     whole.hopeless = 0.0
     first = next(c for c in whole.candidates() if c.optimizer == "yours: AdamW" and c.label == "plain")
@@ -160,6 +175,59 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
         every_bound_from_another_optimizer_is_below(exhaustive)
     else:  # what the bounds are for, on a transformers model with the loss it computes
         never_drop_the_true_cheapest(case, exhaustive, options)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("technique", ["checkpointing", "chunked loss"])
+def test_a_prefix_over_the_budget_in_backward_stops_at_the_optimizer_step(technique, monkeypatch):
+    """Device: none (CUDA's rules). Checkpointing and the chunked loss run modules' forwards again in backward (a
+    block's; the output embedding's, a chunk at a time), and a prefix reads its bytes after each module's forward.
+    It used to stop there when over the budget: in backward, where its own rule says not to stop (the graph may
+    still be held, and count as what the step leaves: a 1.24B Llama's chunked configuration's bound fell by 10 GiB,
+    below its own forward, and a candidate 11 GiB over the budget was predicted in full). A prefix now never stops in backward:
+    at budgets between its forward's peak and its backward's, it stops at the end of a forward or at the optimizer
+    step, leaves nothing but its gradients, and where it ran into its optimizer step its backward is the whole
+    prefix's."""
+    if technique == "checkpointing":  # (the GPT)
+        case, loss, options = gpt_case(), None, dict(checkpointing=True)
+    else:  # a transformers Llama with the loss it computes, sequences long enough to chunk
+        case, loss, options = llama_case(batch=4, length=1024), resolve_loss("model"), dict(checkpointing=False)
+    search_module, steps = sys.modules["gpukit.plan.search"], sys.modules["gpukit.plan.steps"]
+    full = search_for(case, "cuda", loss=loss, **options)
+    full.hopeless = 0.0
+    chosen = [c for c in full.candidates() if c.optimizer == "yours: AdamW" and c.precision == "float32" and
+              (c.checkpointed if technique == "checkpointing" else c.chunked_loss)]
+    assert len(chosen) == 2  # one micro-batch or two (the chunked loss's: 4,096 tokens, or 2,048)
+    found, in_backward = [], []
+
+    def prefix_step(c, k, loss, into, enough, last_only=True):
+        def told(allocated: int, forward: bool) -> bool:
+            stop = enough(allocated, forward)
+            in_backward.append(stop and autograd_running())
+            return stop
+        found.append(into)
+        return steps.prefix_step(c, k, loss, into, told, last_only)
+
+    left = []
+    monkeypatch.setattr(search_module, "prefix_step", prefix_step)
+    monkeypatch.setattr(search_module, "prefix_residual", lambda into: left.append(prefix_residual(into)) or left[-1])
+    over_in_backward = 0
+    for c in chosen:
+        full.prefix(c)
+        key = full.configuration(c)
+        whole = dict(found[-1])
+        forward, backward = (whole["base"] + whole[phase] for phase in ("forward", "backward"))
+        for i in range(8):  # budgets from the forward's peak up to the backward's
+            limit = forward + (backward - forward) * i // 8
+            search = search_for(case, "cuda", limit=limit, loss=loss, **options)
+            search.hopeless = 0.0
+            search.prefix(c)
+            last = found[-1]
+            assert not any(in_backward) and left[-1] == 0, (key, i, left[-1])
+            if key in search.every_grad:  # (ran to its optimizer step)
+                assert search.phases[key]["backward"] == full.phases[key]["backward"], (key, i)
+                over_in_backward += last["base"] + last["backward"] > limit
+    assert over_in_backward  # (where a prefix used to stop in backward)
 
 
 def every_bound_from_another_optimizer_is_below(exhaustive: PlanSearch) -> None:

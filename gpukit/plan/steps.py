@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_modes, active_fake_mode
+from .._torch import ScalerThatAlwaysSteps, TorchDispatchMode, _disable_current_modes, active_fake_mode, in_backward
 from ..bigmodel import OptimizerInBackward
 from ..counter import FAKE_LEDGER, round_up, saved_tensors
 from ..estimate import distinct_storages, state_bytes, storage_bytes
@@ -165,7 +165,7 @@ def prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough
     for ``predict(..., warmup_steps=0)`` with an optimizer that has no state: a bound of the step's need before its
     optimizer step, for any optimizer, at a fraction of a prediction's cost (no warm-up step, no optimizer step,
     and it stops where ``enough(allocated, forward)`` says so: the allocated bytes so far, at the end of the
-    first forward or later).
+    first forward or later, never in backward).
 
     Into ``found``, in bytes: "base", what the step starts with (parameters, buffers, the batch: rounded storages,
     as ``state_bytes``); the step's allocated peak above its start by the end of its first forward (its loss
@@ -206,6 +206,11 @@ def prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough
                                       if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
         def reached(end_of_forward: bool = False, owner_step: bool = False, output=None) -> None:
+            if in_backward():
+                # A module's forward run again in backward (checkpointing's recompute, the chunked loss's head):
+                # never stopped there, where the engine still holds the graph (it would count as what the step
+                # leaves); the optimizer step reads the backward's peak.
+                return
             FAKE_LEDGER.settle()
             if first[0]:
                 found["forward"] = tally.peak
@@ -251,8 +256,8 @@ def prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough
             if owner is not None:
                 owner.step = stop
         # Where the bytes so far are read, besides the ends of forwards: after each module's forward (hooks that
-        # allocate nothing). Not in backward: a step stopped there leaves its graph held until the prediction ends,
-        # and it would count as what outlives the step.
+        # allocate nothing). Not in backward (``reached``): a step stopped there leaves its graph held until the
+        # prediction ends, and it would count as what outlives the step.
         hooks = [m.register_forward_hook(lambda module, args, output: reached(output=output))
                  for m in model.modules() if m is not model]
         # The first forward ends with its loss (train_step's own after the model's output, where loss is None).
