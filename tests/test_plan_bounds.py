@@ -442,6 +442,48 @@ def test_the_state_without_a_floor_is_the_floors(name):
                     assert cheap.state_info(c)["state"] >= cheap.state_info(replace(c, optimizer=base))["state"] > 0
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_state_of_adapters_is_read_before_any_prediction_of_them():
+    """Device: cpu. A prefix reads its candidate's state before its first prediction (``PlanSearch.prefix``): the
+    state of LoRA and QLoRA adapters over a transformers model, read first, is the floor's (peft moves the adapters
+    it adds with ``nn.Module._apply``, which swaps fake parameters: it failed there, before any prediction)."""
+    pytest.importorskip("peft")
+    case = llama_case()
+    options = dict(loss=resolve_loss("model"), lora=True, implementations=False)
+    cheap, floors = search_for(case, "cpu", **options), search_for(case, "cpu", **options)
+    adapters = {(c.qlora, c.precision): c for c in cheap.candidates() if c.lora}
+    assert {qlora for qlora, _ in adapters} == ({False, True} if cheap.facts.qlora_shapes else {False})
+    for c in adapters.values():
+        info, floor = cheap.state_info(c), floors.floor(c)
+        assert {k: info[k] for k in ("params", "grads", "optimizer_state", "state")} == \
+            {k: floor[k] for k in ("params", "grads", "optimizer_state", "state")}, c
+    assert cheap.predictions == 0
+
+
+def test_a_forward_far_below_the_budget_goes_on_where_its_optimizers_state_could_cross_it():
+    """Device: cpu. A prefix ends at its forward where what it allocated is under half the budget (``hopeless``),
+    with the gradients and optimizer state its candidate adds: a wide MLP stepped by AdamW on a batch of 2 has a
+    forward of little more than its parameters and a state of twice them, so at a budget between twice its forward
+    and its backward with that state, its prefix runs to the optimizer step and its bound prunes it unpredicted
+    (where the forward alone was compared, the prefix ended there, bounded nothing, and the step was predicted)."""
+    x, y = torch.randn(2, 1024), torch.randint(0, 1024, (2,))
+    case = (lambda: torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]),
+            lambda p: torch.optim.AdamW(p), lambda: (x.clone(), y.clone()))
+    whole = search_for(case, "cpu", accumulate=[1], precisions=("float32",), checkpointing=False,
+                       implementations=False)
+    whole.hopeless = 0.0
+    c = next(c for c in whole.candidates() if c.label == "plain")
+    whole.prefix(c)
+    forward, bound = whole.phases[whole.configuration(c)]["forward"], whole.phase_bound(c)
+    assert 2 * forward < bound  # (the premise: 16 MiB of weights, their 32 MiB of AdamW state)
+    limit = (2 * forward + bound) // 2
+    search = search_for(case, "cpu", limit=limit, accumulate=[1], precisions=("float32",), checkpointing=False,
+                        implementations=False)
+    search.prefix(c)
+    assert search.phase_bound(c) == bound > limit and search.predictions == 1
+    assert search.evaluate(c).need >= bound
+
+
 def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
     """Device: none. bitsandbytes' 8-bit AdamW, alone and stepped in backward (one optimizer per parameter): its
     quantisation maps computed once for every optimizer built under fake tensors leave the prediction as it was

@@ -388,17 +388,23 @@ class PlanSearch(Ranking):
     def prefix(self, c: Candidate) -> None:
         """Once per configuration that nothing has bounded yet: its step up to its optimizer step, predicted without
         the warm-up and stopped as soon as its allocated bytes put every candidate of the configuration over the
-        budget (``steps.prefix_step``), or at the end of the forward where they are under ``hopeless`` (half) of it
-        (the rest of the step is unlikely to get there). Its phases join those predictions learn (``phase_bound``)."""
+        budget (``steps.prefix_step``), or at the end of the forward where they, with the gradients and optimizer
+        state of the candidate it is run for, are under ``hopeless`` (half) of it (the rest of the step is unlikely
+        to get there). Its phases join those predictions learn (``phase_bound``)."""
         key = self.configuration(c)
         if key in self.prefixed or key in self.phases:
             return
         self.prefixed.add(key)
         proxy_k = 1 if c.accumulate == 1 else 2
         margin = self.held(c) + self.allowance
+        # (a forward far below the budget can still bound an optimizer with a large state: AdamW's is twice the
+        # model, and the bound adds it)
+        info = self.state_info(c)
+        later = info["grads"] + info["state"]
 
         def enough(allocated: int, forward: bool) -> bool:
-            return allocated + margin > self.limit or (forward and allocated + margin <= self.limit * self.hopeless)
+            return allocated + margin > self.limit or (
+                forward and allocated + margin + later <= self.limit * self.hopeless)
 
         for last_only in (True, False):  # accumulation: its last micro-batch alone, unless that cannot tell
             found = {}

@@ -477,9 +477,9 @@ def model_maker(make_model, precision: str, fake: bool = True, lora: bool = Fals
                 model = half_with_float_batchnorm(model)
             elif precision == "bf16 weights":
                 model = model.to(torch.bfloat16)
-        if qlora:
-            return with_qlora(model)
-        return with_lora(model) if lora else model
+            if qlora:
+                return with_qlora(model)
+            return with_lora(model) if lora else model  # (peft moves what it adds: nn.Module._apply)
 
     if fake:
         return lambda: convert(fake_model(make_model))
