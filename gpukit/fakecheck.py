@@ -117,11 +117,21 @@ SHAPE_RULES = {
     # normalized dimensions kept as 1s
     "aten.native_layer_norm.default": lambda args: [tuple(args[0].shape)] + 2 * [
         (*args[0].shape[:args[0].dim() - len(args[1])], *[1] * len(args[1]))],
+    # aten/src/ATen/native/TensorShape.cpp, stack: the tensors (of one shape) each unsqueezed at dim, wrapped over
+    # their dim() + 1 dimensions, then cat along it (a rotary cache: torchtune's stacks its cosines and sines)
+    "aten.stack.default": lambda args: [_stacked(args[0], args[1] if len(args) > 1 else 0)],
     # aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention_cpu: the output
     # (batch, heads, queries, value dim) and the logsumexp (batch, heads, queries)
     "aten._scaled_dot_product_flash_attention_for_cpu.default": lambda args: [
         (*args[0].shape[:-1], args[2].shape[-1]), tuple(args[0].shape[:-1])],
 }
+
+
+def _stacked(tensors, dim: int) -> tuple[int, ...]:
+    """``torch.stack(tensors, dim)``'s output shape."""
+    shape = tuple(tensors[0].shape)
+    d = dim % (len(shape) + 1)
+    return (*shape[:d], len(tensors), *shape[d:])
 
 
 def _by_rule(func, args, flat_out) -> bool:

@@ -170,6 +170,8 @@ def test_each_shape_rule_is_the_real_kernels(op):
         "aten.slice_backward.default": [(torch.randn(3, 2, 8), [3, 7, 8], 1, 1, 5, 2), (torch.randn(4), [9], 0, 0, 4, 1)],
         "aten.native_layer_norm.default": [(torch.randn(3, 5, 8), shape, torch.ones(shape), None, 1e-5)
                                            for shape in [[8], [5, 8]]],
+        "aten.stack.default": [([torch.randn(3, 5)] * 2,), ([torch.randn(3, 5)] * 4, 1), ([torch.randn(3, 5)] * 3, -1),
+                               ([torch.randn(7)], -2)],
         "aten._scaled_dot_product_flash_attention_for_cpu.default": [
             (torch.randn(b, h, q, 8), torch.randn(b, h, k, 8), torch.randn(b, h, k, v), 0.0, causal)
             for b, h, q, k, v, causal in [(2, 4, 16, 16, 8, True), (1, 3, 5, 9, 8, False)]],
