@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 BENCHMARKS = ["meter_overhead", "exactness", "estimate_accuracy", "layer_coverage", "batch_size", "techniques",
               "notebooks", "allocator", "plan_search", "pinning", "recorded_runs",
-              "published"]
+              "published", "torchtune_builders"]
 
 
 def write_summary(lines: list[str], seconds: float) -> str:
