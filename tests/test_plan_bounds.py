@@ -217,8 +217,8 @@ def test_a_prefix_over_the_budget_in_backward_stops_at_the_optimizer_step(techni
         key = full.configuration(c)
         whole = dict(found[-1])
         forward, backward = (whole["base"] + whole[phase] for phase in ("forward", "backward"))
-        for i in range(8):  # budgets from the forward's peak up to the backward's
-            limit = forward + (backward - forward) * i // 8
+        for i in range(4):  # budgets from the forward's peak up to the backward's
+            limit = forward + (backward - forward) * i // 4
             search = search_for(case, "cuda", limit=limit, loss=loss, **options)
             search.hopeless = 0.0
             search.prefix(c)
