@@ -86,7 +86,7 @@ def main() -> list[dict]:
         against = f"; measured {r['measured']:,} B, error {r['error_bytes']:+,} B" if r["measured"] is not None else ""
         print(f"{r['case']:70s} {r['device']:5s} {figures}{against}; lower bound: {r['lower_bound']}; "
               f"{r['seconds']} s", flush=True)
-    write_csv("torchtune_builders", rows)
+    write_csv("torchtune_builders.csv", rows)
     return rows
 
 
