@@ -4,6 +4,7 @@ the pruning against an exhaustive search, the pasted code, and bad input. Small 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -281,6 +282,38 @@ def test_an_object_passed_where_its_factory_is_expected_is_refused_on_the_cpu(wr
     with pytest.raises((TypeError, ValueError), match=message):
         plan(*args, make_batch, budget="1GB", device=DEVICE)
     assert not optimizer.state and all(w.grad is None for w in model.parameters())
+
+
+class _WarnsInBfloat16(torch.nn.Module):
+    """Warns in its forward where its weights are bfloat16, as torch does for torchtune's RMSNorm there."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+    def forward(self, x):
+        if self.layers[0].weight.dtype == torch.bfloat16:
+            warnings.warn("a forward in bfloat16 weights", UserWarning)
+        return self.layers(x.to(self.layers[0].weight.dtype))
+
+
+def test_what_a_candidate_warns_goes_into_its_row_not_to_the_users_output():
+    """Device: cpu. A recipe the user did not write may make torch or the model warn while it is predicted: the
+    warning goes into that candidate's row (its "how"), once, and never to the user's output, and the user's own
+    warning filters are as they were."""
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    case = (_WarnsInBfloat16, lambda p: torch.optim.Adam(p), lambda: (x.clone(), y.clone()))
+    techniques = Techniques(precisions=("float32", "bf16 weights"), accumulate=[1], checkpointing=False,
+                            implementations=False)
+    budget = int(plain_peak(case) * 0.8)  # float32 does not fit; bfloat16 weights, half its bytes, do
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        p = plan(*case, budget=budget, device=DEVICE, techniques=techniques, verify=False)
+    assert not [w for w in shown if "bfloat16 weights" in str(w.message)]
+    assert p.choice.candidate.precision == "bf16 weights"
+    assert p.choice.how.count("UserWarning: a forward in bfloat16 weights") == 1
+    assert warnings.filters == filters
 
 
 def test_plan_is_exported():

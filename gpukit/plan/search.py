@@ -7,6 +7,7 @@ import contextlib
 import copy
 import heapq
 import math
+import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -315,10 +316,22 @@ class PlanSearch(Ranking):
         return c.precision, c.accumulate, c.checkpointed, c.offload, c.lora, c.chunked_loss, c.qlora
 
     def evaluate(self, c: Candidate) -> Row:
+        """The candidate predicted: its row. What torch, a library or the model warned while its step was predicted
+        goes into the row's ``how`` (each message once), not to the user's output: a recipe the user did not write,
+        and may never run, warned (torchtune's RMSNorm in bfloat16 weights: torch's "Mismatch dtype between input
+        and weight")."""
         if c in self.rows and self.rows[c].need is not None:
             return self.rows[c]
-        if c.optimizer in self.host:
-            return host_steps.evaluate(self, c)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            row = host_steps.evaluate(self, c) if c.optimizer in self.host else self.predicted(c)
+        said = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in warned))
+        if said:
+            row.how = "; ".join(filter(None, [row.how, "warned while predicted: " + " | ".join(said)]))
+        return row
+
+    def predicted(self, c: Candidate) -> Row:
+        """``evaluate``'s prediction of a candidate whose optimizer runs on the GPU."""
         rank, note, tol = self.numerics(c)
         micro = self.rank_batch // c.accumulate
         proxy_k = 1 if c.accumulate == 1 else 2
@@ -453,6 +466,13 @@ class PlanSearch(Ranking):
     # the search ------------------------------------------------------------------------------------------------
 
     def run(self) -> list[Row]:
+        """The search; what its bounds' predictions warned is dropped (a candidate predicted keeps its own in its
+        row: ``evaluate``)."""
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            return self.searched()
+
+    def searched(self) -> list[Row]:
         todo = self.candidates()
         # Offload's copies: unknown (costed as none), at least a bound (copies_at_least), or exact (copy_bytes).
         heap = [(self.key(c, None if c.offload else 0), i, c, "unknown" if c.offload else "exact")
