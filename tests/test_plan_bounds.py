@@ -184,10 +184,10 @@ def test_a_prefix_over_the_budget_in_backward_stops_at_the_optimizer_step(techni
     block's; the output embedding's, a chunk at a time), and a prefix reads its bytes after each module's forward.
     It used to stop there when over the budget: in backward, where its own rule says not to stop (the graph may
     still be held, and count as what the step leaves: a 1.24B Llama's chunked configuration's bound fell by 10 GiB,
-    below its own forward, and a candidate 11 GiB over the budget was predicted in full). A prefix now never stops in backward:
-    at budgets between its forward's peak and its backward's, it stops at the end of a forward or at the optimizer
-    step, leaves nothing but its gradients, and where it ran into its optimizer step its backward is the whole
-    prefix's."""
+    below its own forward, and a candidate 11 GiB over the budget was predicted in full). A prefix now never stops
+    in backward: at budgets between its forward's peak and its backward's, it stops at the end of a forward or at
+    the optimizer step, leaves nothing but its gradients, and where it ran into its optimizer step its backward is
+    the whole prefix's."""
     if technique == "checkpointing":  # (the GPT)
         case, loss, options = gpt_case(), None, dict(checkpointing=True)
     else:  # a transformers Llama with the loss it computes, sequences long enough to chunk
