@@ -142,13 +142,13 @@ def test_every_bound_from_a_prefix_of_the_step_is_below_the_candidates_own_predi
     plain = max(need.values())
     checked = {}
     residuals: dict = {}  # fraction -> configuration -> what its prefix left allocated but its gradients
-    search_module = sys.modules["gpukit.plan.search"]
+    bounds_module = sys.modules["gpukit.plan.bounds"]  # (the names as the bounds hold them)
     for fraction in (10.0, 1.0, 0.3):  # the end of the forward (hopeless); the whole prefix; its middle
         search = search_for(case, "cuda", limit=int(plain * fraction), **options)
         search.hopeless = 0.0 if fraction == 1.0 else search.hopeless
         for c in search.candidates():
             with monkeypatch.context() as m:
-                m.setattr(search_module, "prefix_residual", lambda found, c=c, f=fraction: residuals.setdefault(
+                m.setattr(bounds_module, "prefix_residual", lambda found, c=c, f=fraction: residuals.setdefault(
                     f, {}).setdefault(search.configuration(c), prefix_residual(found)))
                 search.prefix(c)
             for floor in (False, True):
@@ -192,7 +192,7 @@ def test_a_prefix_over_the_budget_in_backward_stops_at_the_optimizer_step(techni
         case, loss, options = gpt_case(), None, dict(checkpointing=True)
     else:  # a transformers Llama with the loss it computes, sequences long enough to chunk
         case, loss, options = llama_case(batch=4, length=1024), resolve_loss("model"), dict(checkpointing=False)
-    search_module, steps = sys.modules["gpukit.plan.search"], sys.modules["gpukit.plan.steps"]
+    bounds_module, steps = sys.modules["gpukit.plan.bounds"], sys.modules["gpukit.plan.steps"]
     full = search_for(case, "cuda", loss=loss, **options)
     full.hopeless = 0.0
     chosen = [c for c in full.candidates() if c.optimizer == "yours: AdamW" and c.precision == "float32" and
@@ -209,8 +209,8 @@ def test_a_prefix_over_the_budget_in_backward_stops_at_the_optimizer_step(techni
         return steps.prefix_step(c, k, loss, into, told, last_only)
 
     left = []
-    monkeypatch.setattr(search_module, "prefix_step", prefix_step)
-    monkeypatch.setattr(search_module, "prefix_residual", lambda into: left.append(prefix_residual(into)) or left[-1])
+    monkeypatch.setattr(bounds_module, "prefix_step", prefix_step)
+    monkeypatch.setattr(bounds_module, "prefix_residual", lambda into: left.append(prefix_residual(into)) or left[-1])
     over_in_backward = 0
     for c in chosen:
         full.prefix(c)
@@ -283,7 +283,7 @@ def prefix_phases(search: PlanSearch, candidates, last_only: bool, monkeypatch) 
         return steps.prefix_step(c, k, loss, found, enough, last and last_only)
 
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["gpukit.plan.search"], "prefix_step", prefix_step)
+        m.setattr(sys.modules["gpukit.plan.bounds"], "prefix_step", prefix_step)
         for c in candidates:
             search.prefix(c)
     return {key: (dict(search.phases[key]), key in search.every_grad, any("shared" in f for f in flags[key]))

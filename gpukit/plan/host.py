@@ -94,7 +94,7 @@ def _make(cls, gradients: bool, kwargs: dict) -> Callable:
 
 def state_info(search, c: Candidate) -> dict:
     """What the GPU holds of the model state when a host-offload candidate's step starts, as the floor's figures
-    (``PlanSearch.state_info``), from the model's shapes (``ModelFacts``; the optimizer is not built: torchao asks
+    (``Bounds.state_info``), from the model's shapes (``ModelFacts``; the optimizer is not built: torchao asks
     for CUDA): the parameters and buffers, and the gradients (with ``offload_gradients``, only those of the
     parameters kept on the GPU). The optimizer's state on the GPU (the small parameters') is taken as 0, so every
     figure is at most what the GPU holds; "peak" is the same as "before" (no optimizer step is predicted). Also the

@@ -109,7 +109,7 @@ class _Phases:
         phases["state"] = optimizer_state_bytes(model, optimizer)
         phases["every_grad"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
         # The gradients the step starts with (zero_grad frees them first): an optimizer that frees each gradient in
-        # backward starts without them (gpukit.plan.search's phase bound of the forward takes them out).
+        # backward starts without them (gpukit.plan.bounds' phase bound of the forward takes them out).
         phases["grads"] = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
     def peak(self) -> int:
@@ -507,7 +507,7 @@ def _only_writes(func) -> bool:
 
 
 class StateAlone(TorchDispatchMode):
-    """Inside an optimizer step on fake tensors whose state alone is read (``PlanSearch.state_info``): an op that only
+    """Inside an optimizer step on fake tensors whose state alone is read (``Bounds.state_info``): an op that only
     writes into tensors it is given (``_only_writes``) allocates nothing and changes no size, and where those are
     fake tensors too big to hold a value (a step counter does: Adam divides by ``1 - beta1 ** step``) it changes
     nothing: it is not run. The state is made by the step's other ops (``zeros_like`` in ``_init_group``)."""
@@ -552,7 +552,7 @@ def state_by_foreach(optimizer):
     which both implementations call alike (torch/optim/adam.py: only ``fused`` and ``capturable`` change where
     ``step`` lives), and the foreach step dispatches a few ops over all parameters where the for-loop one
     dispatches each per parameter (``gpukit.estimate._foreach_warmup`` makes a warm-up so). Only the state is
-    read from such a step (``gpukit.plan.search.PlanSearch.state_info``), never its peak."""
+    read from such a step (``gpukit.plan.bounds.Bounds.state_info``), never its peak."""
     optimizers = list(getattr(optimizer, "optimizers", {}).values()) or [optimizer]  # stepped in backward: one each
     changed = [(g, g["foreach"]) for opt in optimizers for g in getattr(opt, "param_groups", [])
                if "foreach" in g and not g["foreach"] and not g.get("fused") and not g.get("differentiable", False)]
@@ -566,5 +566,5 @@ def state_by_foreach(optimizer):
 
 
 def stateless(params) -> torch.optim.Optimizer:
-    """The optimizer of a prefix run (``gpukit.plan.search.PlanSearch.prefix``): never stepped, it has no state."""
+    """The optimizer of a prefix run (``gpukit.plan.bounds.Bounds.prefix``): never stepped, it has no state."""
     return torch.optim.SGD(params, lr=0.1)
