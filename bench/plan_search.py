@@ -197,7 +197,8 @@ def main(only: list[str] | None = None) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[str]:
     return ["plan() and predict() on big models: "
-            + "; ".join(f"{r['case']} {r['seconds']} s, {r['predictions']} predictions ({r['choice']})" for r in rows)]
+            + "; ".join(f"{r['case']} {r['seconds']} s, {r['predictions']} predictions"
+                        + (f" ({r['choice']})" if r["choice"] else "") for r in rows)]
 
 
 if __name__ == "__main__":

@@ -115,10 +115,13 @@ def summary(rows: list[dict]) -> list[str]:
     missed = off(rows)
     lines = [f"recorded GPU runs: {len(rows) - len(missed)} of {len(rows)} rows predicted within "
              f"{100 * TOLERANCE:g}% (peak and state)"]
-    for r in missed:
-        why = r["status"] if r.get("status") != "ok" else (f"peak {r['peak_error_pct']:+.2f}%, "
-                                                            f"state {r['state_error_pct']:+.2f}%")
-        lines.append(f"  off: {r['model']}, {r['technique']}: {why}")
+    for run in dict.fromkeys(r["run"] for r in missed):  # each recorded run (a card) apart, in the order read
+        lines.append(f"  off on {run.removesuffix('.csv')}:")
+        for r in missed:
+            if r["run"] == run:
+                why = r["status"] if r.get("status") != "ok" else (f"peak {r['peak_error_pct']:+.2f}%, "
+                                                                    f"state {r['state_error_pct']:+.2f}%")
+                lines.append(f"    {r['model']}, {r['technique']}: {why}")
     return lines
 
 

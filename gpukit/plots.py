@@ -141,8 +141,9 @@ def technique_panels(matrices: dict):
     """
     fig, axes = plt.subplots(len(matrices), 2, figsize=(13, 0.8 + 4.4 * len(matrices)), squeeze=False)
     for (name, matrix), (left, right) in zip(matrices.items(), axes):
-        technique_bars(matrix, "peak_bytes", ax=left, title=f"{name}: peak of a training step")
-        technique_bars(matrix, "peak_vs_baseline", ax=right, title=f"{name}: relative to the baseline")
+        # (the machine's name on a line of its own: a GPU's and its run's file are longer than half the width)
+        technique_bars(matrix, "peak_bytes", ax=left, title=f"{name}\npeak of a training step")
+        technique_bars(matrix, "peak_vs_baseline", ax=right, title=f"{name}\nrelative to the baseline")
         right.set_yticklabels([])
     fig.tight_layout()
     return fig
