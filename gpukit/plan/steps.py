@@ -208,7 +208,7 @@ def prefix_step(candidate: Candidate, accumulate: int, loss, found: dict, enough
         def reached(end_of_forward: bool = False, owner_step: bool = False, output=None) -> None:
             if in_backward():
                 # A module's forward run again in backward (checkpointing's recompute, the chunked loss's head):
-                # never stopped there, where the engine still holds the graph (it would count as what the step
+                # never stopped there, where the step's graph may still be held (it would count as what the step
                 # leaves); the optimizer step reads the backward's peak.
                 return
             FAKE_LEDGER.settle()
