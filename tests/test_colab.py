@@ -179,11 +179,11 @@ def first_code_cell(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_notebook_opens_with_the_install_cell_and_the_readme_opens_it_in_colab(path):
-    url = kit.repository_url()
-    assert first_code_cell(path) == kit.install_cell(url), "run `python3 kit.py links`"
+    url = kit.colab.repository_url()
+    assert first_code_cell(path) == kit.colab.install_cell(url), "run `python3 kit.py links`"
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{path.stem}` |"))
-    assert f"[Colab]({kit.colab_url(url, path.name)})" in row
-    assert kit.colab_url(url, path.name) == \
+    assert f"[Colab]({kit.colab.colab_url(url, path.name)})" in row
+    assert kit.colab.colab_url(url, path.name) == \
         f"https://colab.research.google.com/github/{url.split('github.com/')[1]}/blob/main/notebooks/{path.name}"
 
 
@@ -197,7 +197,7 @@ def run_install_cell(monkeypatch, gpukit_found):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: find_spec(name, *a) if gpukit_found or name != "gpukit" else None)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)))
-    exec(kit.install_cell(kit.repository_url()), {})
+    exec(kit.colab.install_cell(kit.colab.repository_url()), {})
     return calls
 
 
@@ -209,7 +209,7 @@ def test_the_install_cell_installs_gpukit_with_the_lessons_extra_from_the_reposi
     (cmd, kw), = run_install_cell(monkeypatch, gpukit_found=False)
     assert cmd[:5] == [sys.executable, "-m", "pip", "install", "-q"] and kw == {"check": True}
     req = Requirement(cmd[5])
-    assert (req.name, req.extras, req.url) == ("gpukit", {"lessons"}, "git+" + kit.repository_url())
+    assert (req.name, req.extras, req.url) == ("gpukit", {"lessons"}, "git+" + kit.colab.repository_url())
     assert "lessons" in project()["optional-dependencies"]
 
 
@@ -222,22 +222,22 @@ def test_kit_links_rewrites_a_stale_cell_and_link_and_leaves_current_ones(tmp_pa
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("ranks", "*.cfg"))
-    url = kit.repository_url()
-    monkeypatch.setattr(kit, "ROOT", tmp_path)
-    assert kit.links([]) == 0 and capsys.readouterr().out.strip() == "nothing to change"
+    url = kit.colab.repository_url()
+    monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
+    assert kit.colab.links([]) == 0 and capsys.readouterr().out.strip() == "nothing to change"
 
     other = "https://github.com/someone/fork"
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace(url, other))
-    assert kit.links([]) == 0
+    assert kit.colab.links([]) == 0
     out = capsys.readouterr().out
     assert out.count("wrote ") == len(NOTEBOOKS) + 1 and "kit.py outputs" in out
     for path in NOTEBOOKS:
         copy = tmp_path / "notebooks" / path.name
-        assert first_code_cell(copy) == kit.install_cell(other)
+        assert first_code_cell(copy) == kit.colab.install_cell(other)
         cells, before = (json.loads(p.read_text())["cells"] for p in (copy, path))
         assert len(cells) == len(before) and cells[2:] == before[2:]
-    assert kit.colab_url(other, NOTEBOOKS[0].name) in (tmp_path / "README.md").read_text()
+    assert kit.colab.colab_url(other, NOTEBOOKS[0].name) in (tmp_path / "README.md").read_text()
 
 
 @pytest.mark.parametrize("urls", ['', '\n[project.urls]\nRepository = "git@github.com:someone/gpukit"\n'])
@@ -252,7 +252,7 @@ def test_kit_links_refuses_a_missing_or_unusable_repository_url_and_writes_nothi
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.cfg"))
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    monkeypatch.setattr(kit, "ROOT", tmp_path)
+    monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
     with pytest.raises(SystemExit, match=r"no \[project.urls\] Repository = \"https://github.com/OWNER/NAME\""):
-        kit.links([])
+        kit.colab.links([])
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

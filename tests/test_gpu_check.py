@@ -32,10 +32,10 @@ def load_kit():
 def test_without_a_gpu_gpu_check_says_what_to_do_and_runs_nothing(monkeypatch, capsys):
     kit = load_kit()
     ran = []
-    monkeypatch.setattr(kit, "VENV_PY", Path(sys.executable))   # this environment stands in for .venv
-    monkeypatch.setattr(kit, "run_until", lambda cmd, *a, **k: ran.append(cmd))
-    monkeypatch.setattr(kit, "run_notebooks", lambda *a, **k: ran.append("notebooks"))
-    assert kit.gpu_check([]) == 2
+    monkeypatch.setattr(kit.venv, "VENV_PY", Path(sys.executable))   # this environment stands in for .venv
+    monkeypatch.setattr(kit.gpucheck, "run_until", lambda cmd, *a, **k: ran.append(cmd))
+    monkeypatch.setattr(kit.gpucheck, "run_notebooks", lambda *a, **k: ran.append("notebooks"))
+    assert kit.gpucheck.gpu_check([]) == 2
     assert "sees no CUDA GPU" in capsys.readouterr().err and ran == []
 
 
@@ -45,9 +45,9 @@ H100 = {"cuda": True, "torch": "2.11.0+cu130", "cuda_version": "13.0", "name": "
 
 def on_a_stand_in_gpu(kit, tmp_path, monkeypatch):
     """kit with the repository at ``tmp_path`` and a probe that answers as an H100 would."""
-    monkeypatch.setattr(kit, "ROOT", tmp_path)
-    monkeypatch.setattr(kit, "VENV_PY", Path(sys.executable))
-    monkeypatch.setattr(kit, "GPU_PROBE", f"print({json.dumps(json.dumps(H100))})")
+    monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
+    monkeypatch.setattr(kit.venv, "VENV_PY", Path(sys.executable))
+    monkeypatch.setattr(kit.gpucheck, "GPU_PROBE", f"print({json.dumps(json.dumps(H100))})")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_cuda_thing.py").write_text("if torch.cuda.is_available(): pass\n")
     (tmp_path / "tests" / "test_cpu_thing.py").write_text("\n")
@@ -96,8 +96,8 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
         "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,ok\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,tiny gpt,AMP fp16,,,not predicted: RuntimeError: no\\n'\n"
         "'a-older.csv,deep mlp,AMP fp16,-3.0,0.0,ok\\n')\n")
-    monkeypatch.setattr(kit, "run_until", fake_run_until)
-    assert kit.gpu_check(["--skip", "notebooks", "--budget", "600"]) == 1
+    monkeypatch.setattr(kit.gpucheck, "run_until", fake_run_until)
+    assert kit.gpucheck.gpu_check(["--skip", "notebooks", "--budget", "600"]) == 1
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
     assert "NVIDIA H100 80GB HBM3 (sm_90, 1 GPU(s)), torch 2.11.0+cu130" in report
     assert "tests (CUDA): 1 passed, 1 failed, 1 skipped (pytest exit 1" in report
@@ -126,8 +126,8 @@ def test_a_stage_past_its_deadline_is_cut_and_reported(tmp_path, monkeypatch):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "run.py").write_text("import time\ntime.sleep(60)\n")
     began = time.monotonic()
-    assert kit.gpu_check(["--skip", "notebooks", "--skip", "tests", "--budget",
-                          f"{time.monotonic() - kit.STARTED + 3:.1f}"]) == 1
+    assert kit.gpucheck.gpu_check(["--skip", "notebooks", "--skip", "tests", "--budget",
+                          f"{time.monotonic() - kit.gpucheck.STARTED + 3:.1f}"]) == 1
     assert time.monotonic() - began < 30           # the benchmark would take 60 s
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
     # (how long the stop took depends on the machine's load: the cut and its reason are what is checked)
@@ -141,12 +141,12 @@ def test_run_until_stops_the_whole_process_group_at_the_deadline(tmp_path):
               f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
               f"open({str(child)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
     began = time.monotonic()
-    assert kit.run_until([sys.executable, "-c", script], time.monotonic() + 1.5, tmp_path / "log", grace=1) is None
+    assert kit.gpucheck.run_until([sys.executable, "-c", script], time.monotonic() + 1.5, tmp_path / "log", grace=1) is None
     assert time.monotonic() - began < 30           # the child would take 60 s
     pid = int(child.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    assert kit.run_until([sys.executable, "-c", "raise SystemExit(3)"], time.monotonic() + 30, tmp_path / "log") == 3
+    assert kit.gpucheck.run_until([sys.executable, "-c", "raise SystemExit(3)"], time.monotonic() + 30, tmp_path / "log") == 3
 
 
 FAKE_RUNNER = """
@@ -190,13 +190,13 @@ def test_every_notebook_is_stored_per_card_and_the_timed_ones_and_the_card_fille
     notebook(books / "02_timed.ipynb", "t0 = time.perf_counter()")
     notebook(books / "03_hangs.ipynb", "while True: pass")
     notebook(books / "04_fills.ipynb", "try:\n    step()\nexcept torch.OutOfMemoryError:\n    pass")
-    monkeypatch.setattr(kit, "test_environment", lambda: dict(os.environ))
-    monkeypatch.setattr(kit, "NOTEBOOK_GRACE_S", 0.5)
-    monkeypatch.setattr(kit, "NOTEBOOK_MIN_S", 0.5)
+    monkeypatch.setattr(kit.venv, "test_environment", lambda: dict(os.environ))
+    monkeypatch.setattr(kit.gpucheck, "NOTEBOOK_GRACE_S", 0.5)
+    monkeypatch.setattr(kit.gpucheck, "NOTEBOOK_MIN_S", 0.5)
     began = time.monotonic()
     # 20 s: room for four runners' Pythons to start on a loaded machine (6 s was too little at a load of 2)
-    assert kit.gpu_check(["--skip", "bench", "--skip", "tests", "--workers", "3", "--budget",
-                          f"{time.monotonic() - kit.STARTED + 20:.1f}"]) == 1
+    assert kit.gpucheck.gpu_check(["--skip", "bench", "--skip", "tests", "--workers", "3", "--budget",
+                          f"{time.monotonic() - kit.gpucheck.STARTED + 20:.1f}"]) == 1
     assert time.monotonic() - began < 60           # the hanging notebook would take 180 s
     stored = tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3"
     assert sorted(p.name for p in stored.glob("*.ipynb")) == ["00_quick.ipynb", "01_fails.ipynb", "02_timed.ipynb",
@@ -220,16 +220,16 @@ def test_every_notebook_is_stored_per_card_and_the_timed_ones_and_the_card_fille
 
 def test_a_notebook_that_cannot_start_in_time_is_reported_not_run(tmp_path, monkeypatch):
     kit = load_kit()
-    monkeypatch.setattr(kit, "ROOT", tmp_path)
+    monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
     nb = notebook(tmp_path / "05_late.ipynb", "x = 1")
-    results = kit.run_notebooks([nb], 1, time.monotonic() + kit.NOTEBOOK_MIN_S - 1, tmp_path / "card", tmp_path,
+    results = kit.gpucheck.run_notebooks([nb], 1, time.monotonic() + kit.gpucheck.NOTEBOOK_MIN_S - 1, tmp_path / "card", tmp_path,
                                 "card", "2.11")
     assert results == [{"notebook": "05_late", "cut": "not started: no time left", "failed": [], "ran": 0}]
 
 
 def test_the_archive_holds_what_was_written_and_stays_under_its_limit(tmp_path, monkeypatch):
     kit = load_kit()
-    monkeypatch.setattr(kit, "ROOT", tmp_path)
+    monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
     runs = tmp_path / "data" / "runs" / "card"
     runs.mkdir(parents=True)
     small = runs / "00_small.ipynb"
@@ -238,16 +238,16 @@ def test_the_archive_holds_what_was_written_and_stays_under_its_limit(tmp_path, 
     big.write_bytes(os.urandom(300_000))            # incompressible
     report = tmp_path / "data" / "runs" / "card-gpu-check.txt"
     report.write_text("report")
-    files = kit.written_since(time.time() - 60, [tmp_path / "data" / "runs"])
+    files = kit.gpucheck.written_since(time.time() - 60, [tmp_path / "data" / "runs"])
     assert sorted(files) == sorted([report, small, big])
 
-    lines = kit.pack(tmp_path / "out" / "gpu-check.tar.gz", files)
+    lines = kit.gpucheck.pack(tmp_path / "out" / "gpu-check.tar.gz", files)
     with tarfile.open(tmp_path / "out" / "gpu-check.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["data/runs/card-gpu-check.txt", "data/runs/card/00_small.ipynb",
                                           "data/runs/card/01_big.ipynb"]
     assert lines[0].startswith("packed: 3 files into") and len(lines) == 1
 
-    lines = kit.pack(tmp_path / "out" / "gpu-check.tar.gz", files, limit=100_000)
+    lines = kit.gpucheck.pack(tmp_path / "out" / "gpu-check.tar.gz", files, limit=100_000)
     assert (tmp_path / "out" / "gpu-check.tar.gz").stat().st_size <= 100_000
     with tarfile.open(tmp_path / "out" / "gpu-check.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["data/runs/card-gpu-check.txt", "data/runs/card/00_small.ipynb"]
@@ -259,17 +259,17 @@ def test_the_archive_holds_what_was_written_and_stays_under_its_limit(tmp_path, 
 
 def test_each_carried_wheel_is_pinned_in_one_place():
     kit = load_kit()
-    lock = {kit.canonical(line.split("==")[0].strip()) for line in (ROOT / "constraints.txt").read_text().splitlines()
+    lock = {kit.wheels.canonical(line.split("==")[0].strip()) for line in (ROOT / "constraints.txt").read_text().splitlines()
             if "==" in line and not line.lstrip().startswith("#")}
     for line in (ROOT / "gpu-wheels.txt").read_text().splitlines():
         req = line.split("#", 1)[0].strip()
         if req:
             name, _, version = req.partition("==")
-            assert (kit.canonical(name) in lock) != bool(version), \
+            assert (kit.wheels.canonical(name) in lock) != bool(version), \
                 f"gpu-wheels.txt: {name}: pin it either here or in constraints.txt, not both or neither"
-    wanted = kit.wheel_requirements("3.12")
+    wanted = kit.wheels.wheel_requirements("3.12")
     assert "ipython==9.18.1" in wanted and "ipykernel==7.4.0" in wanted and "nbval==0.11.0" in wanted
-    assert "ipython==8.39.0" in kit.wheel_requirements("3.10")
+    assert "ipython==8.39.0" in kit.wheels.wheel_requirements("3.10")
 
 
 def fake_wheel(folder: Path, name: str, files: dict[str, bytes], version: str = "1.0") -> Path:
@@ -294,7 +294,7 @@ def test_bitsandbytes_keeps_only_the_libraries_of_the_cuda_named(tmp_path):
         "bitsandbytes/libbitsandbytes_cuda118.so": os.urandom(50_000),
         "bitsandbytes/libbitsandbytes_cuda130.so": b"1" * 1000,
         "bitsandbytes/libbitsandbytes_rocm72.so": os.urandom(50_000)})
-    before, after = kit.slim_bitsandbytes(wheel, ["130"])
+    before, after = kit.wheels.slim_bitsandbytes(wheel, ["130"])
     assert after < before - 90_000
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -314,14 +314,14 @@ def test_the_offline_install_takes_only_the_carried_wheels(tmp_path):
     elsewhere.mkdir()
     fake_wheel(wheels, "gpukit_carried", {"gpukit_carried/__init__.py": b"WHERE = 'carried'\n"})
     fake_wheel(elsewhere, "gpukit_carried", {"gpukit_carried/__init__.py": b"WHERE = 'elsewhere'\n"}, "2.0")
-    env = kit.offline_pip_environment(dict(os.environ, PIP_FIND_LINKS=str(elsewhere),
+    env = kit.wheels.offline_pip_environment(dict(os.environ, PIP_FIND_LINKS=str(elsewhere),
                                            PIP_INDEX_URL="http://127.0.0.1:9/simple"))
     assert env["PIP_CONFIG_FILE"] == os.devnull
     assert not any(k.startswith("PIP_") and k != "PIP_CONFIG_FILE" for k in env)
-    assert kit.carried(wheels) == ["gpukit-carried"]
+    assert kit.wheels.carried(wheels) == ["gpukit-carried"]
     target = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-index",
-                           "--find-links", str(wheels), "--target", str(target), *kit.carried(wheels)],
+                           "--find-links", str(wheels), "--target", str(target), *kit.wheels.carried(wheels)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (target / "gpukit_carried" / "__init__.py").read_text() == "WHERE = 'carried'\n"
@@ -332,31 +332,31 @@ def test_set_up_without_an_index_links_the_machines_torch_and_installs_from_the_
     # gpukit and every carried distribution; a second run with nothing changed does nothing.
     kit = load_kit()
     venv = tmp_path / ".venv"
-    monkeypatch.setattr(kit, "VENV", venv)
-    monkeypatch.setattr(kit, "VENV_PY", Path(sys.executable))
-    monkeypatch.setattr(kit, "STAMP", tmp_path / "stamp")
-    monkeypatch.setattr(kit, "link_torch", lambda venv_python, site: "2.11.0+cu130")
+    monkeypatch.setattr(kit.venv, "VENV", venv)
+    monkeypatch.setattr(kit.venv, "VENV_PY", Path(sys.executable))
+    monkeypatch.setattr(kit.venv, "STAMP", tmp_path / "stamp")
+    monkeypatch.setattr(kit.venv, "link_torch", lambda venv_python, site: "2.11.0+cu130")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     fake_wheel(wheels, "nbval", {})
     fake_wheel(wheels, "ipykernel", {})
     ran = []
-    monkeypatch.setattr(kit, "_run", lambda cmd, **kw: ran.append(([str(c) for c in cmd], kw.get("env"))))
-    assert kit.setup_offline(wheels)
+    monkeypatch.setattr(kit.venv, "run", lambda cmd, **kw: ran.append(([str(c) for c in cmd], kw.get("env"))))
+    assert kit.wheels.setup_offline(wheels)
     (cmd, env), = ran
     assert cmd[1:4] == ["-m", "pip", "install"] and "--no-index" in cmd
     assert cmd[cmd.index("--find-links") + 1] == str(wheels)
-    assert cmd[-4:] == ["-e", str(kit.ROOT), "ipykernel", "nbval"]
+    assert cmd[-4:] == ["-e", str(kit.venv.ROOT), "ipykernel", "nbval"]
     assert env["PIP_CONFIG_FILE"] == os.devnull
-    assert kit.setup_offline(wheels) and len(ran) == 1
-    monkeypatch.setattr(kit, "link_torch", lambda venv_python, site: None)
-    assert not kit.setup_offline(wheels) and len(ran) == 1
+    assert kit.wheels.setup_offline(wheels) and len(ran) == 1
+    monkeypatch.setattr(kit.venv, "link_torch", lambda venv_python, site: None)
+    assert not kit.wheels.setup_offline(wheels) and len(ran) == 1
     # Wheels made for another Python: pip fails, and set-up says what to do instead of a traceback.
-    monkeypatch.setattr(kit, "link_torch", lambda venv_python, site: "2.13.0")
+    monkeypatch.setattr(kit.venv, "link_torch", lambda venv_python, site: "2.13.0")
 
     def pip_fails(cmd, **kw):
         raise subprocess.CalledProcessError(1, cmd)
 
-    monkeypatch.setattr(kit, "_run", pip_fails)
+    monkeypatch.setattr(kit.venv, "run", pip_fails)
     with pytest.raises(SystemExit, match="they are made for one Python"):
-        kit.setup_offline(wheels)
+        kit.wheels.setup_offline(wheels)

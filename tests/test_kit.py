@@ -71,6 +71,25 @@ def test_kit_without_a_command_prints_its_usage():
     assert "python3 kit.py test" in done.stderr and "python3 kit.py lab" in done.stderr
 
 
+def test_kit_and_its_parts_import_only_the_standard_library_and_each_other():
+    """A fresh machine has only Python: kit.py and kitlib/ run there before anything is installed. Run from another
+    folder by a python3 outside any venv, kit.py finds kitlib/ beside itself."""
+    import ast
+
+    files = [ROOT / "kit.py", *sorted((ROOT / "kitlib").glob("*.py"))]
+    assert {f.name for f in files} >= {"kit.py", "venv.py", "wheels.py", "colab.py", "gpucheck.py"}
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top in ("__future__", "kitlib"), f"{f.name} imports {name}"
+    python = getattr(sys, "_base_executable", sys.executable)
+    done = subprocess.run([python, "-I", str(ROOT / "kit.py")], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 2 and "python3 kit.py gpu-check" in done.stderr, done.stderr
+
+
 # -- set-up on a machine whose python3 already has a torch ---------------------------------------------------
 
 
@@ -123,10 +142,10 @@ def test_a_torch_in_the_user_site_only_is_linked_and_kept(user_site_torch, venv)
     user_site = user_site_torch("2.11.0+cu130")
     python, site_dir = venv
     assert imported_torch(python) == []
-    assert kit.link_torch(python, site_dir, python=BASE_PYTHON) == "2.11.0+cu130"
+    assert kit.venv.link_torch(python, site_dir, python=BASE_PYTHON) == "2.11.0+cu130"
     version, where = imported_torch(python)
     assert version == "2.11.0+cu130" and Path(where).is_relative_to(user_site)
-    lock = kit.constraints("2.11.0+cu130")
+    lock = kit.venv.constraints("2.11.0+cu130")
     assert "torch==2.11.0+cu130" in lock.split()
     assert not [line for line in lock.splitlines() if line.startswith("torch==") and "2.11.0+cu130" not in line]
 
@@ -134,11 +153,11 @@ def test_a_torch_in_the_user_site_only_is_linked_and_kept(user_site_torch, venv)
 def test_a_torch_outside_the_range_is_not_linked_and_the_pin_stays(user_site_torch, venv, capsys):
     user_site_torch("2.3.1")
     python, site_dir = venv
-    assert kit.link_torch(python, site_dir, python=BASE_PYTHON) is None
+    assert kit.venv.link_torch(python, site_dir, python=BASE_PYTHON) is None
     assert "outside gpukit's range" in capsys.readouterr().out
-    assert imported_torch(python) == [] and not (site_dir / kit.LINK_PTH).exists()
-    assert kit.constraints(None) == kit.LOCK.read_text().rstrip("\n") + "\n"
-    assert re.search(r"^torch==\d", kit.constraints(None), re.M)
+    assert imported_torch(python) == [] and not (site_dir / kit.venv.LINK_PTH).exists()
+    assert kit.venv.constraints(None) == kit.venv.LOCK.read_text().rstrip("\n") + "\n"
+    assert re.search(r"^torch==\d", kit.venv.constraints(None), re.M)
 
 
 def test_a_torch_the_venv_cannot_import_is_not_linked_and_the_pin_stays(user_site_torch, venv, capsys):
@@ -146,17 +165,17 @@ def test_a_torch_the_venv_cannot_import_is_not_linked_and_the_pin_stays(user_sit
     user_site_torch("2.11.0", "import sys\nif sys.prefix != sys.base_prefix:\n"
                               "    raise ImportError('libcudart.so.13: cannot open shared object file')\n")
     python, site_dir = venv
-    assert kit.link_torch(python, site_dir, python=BASE_PYTHON) is None
+    assert kit.venv.link_torch(python, site_dir, python=BASE_PYTHON) is None
     assert "libcudart.so.13" in capsys.readouterr().out
-    assert not (site_dir / kit.LINK_PTH).exists()
+    assert not (site_dir / kit.venv.LINK_PTH).exists()
 
 
 def test_no_torch_links_nothing(tmp_path, venv, monkeypatch):
     monkeypatch.setenv("PYTHONUSERBASE", str(tmp_path / "empty"))
     python, site_dir = venv
-    if kit.outer_torch(BASE_PYTHON) is not None:
+    if kit.venv.outer_torch(BASE_PYTHON) is not None:
         pytest.skip("the base python3 of this environment has a torch of its own")
-    assert kit.link_torch(python, site_dir, python=BASE_PYTHON) is None
+    assert kit.venv.link_torch(python, site_dir, python=BASE_PYTHON) is None
 
 
 @pytest.mark.parametrize("version, spec, ok", [
@@ -164,12 +183,12 @@ def test_no_torch_links_nothing(tmp_path, venv, monkeypatch):
     ("2.10.1", ">=2.11,<2.16", False), ("2.13.0a0+git1234", ">=2.11,<2.16", True), ("2.11.0", "==2.11", True),
     ("2.11.0", "!=2.11.0", False)])
 def test_the_range_check(version, spec, ok):
-    assert kit.in_range(version, spec) is ok
+    assert kit.venv.in_range(version, spec) is ok
 
 
 def test_the_torch_range_is_read_from_pyproject():
-    spec = kit.torch_range()
-    assert spec.startswith(">=") and kit.in_range(torch.__version__, spec)
+    spec = kit.venv.torch_range()
+    assert spec.startswith(">=") and kit.venv.in_range(torch.__version__, spec)
 
 
 def test_the_test_run_loads_only_the_plugins_the_suite_names(tmp_path):
@@ -192,18 +211,18 @@ def test_the_test_run_loads_only_the_plugins_the_suite_names(tmp_path):
     assert "clash_plugin" in seen.stdout
     # kit.py's test environment leaves it out, and nbval is loaded by name (addopts carry --nbval-lax,
     # which pytest would refuse otherwise)
-    done = subprocess.run(cmd, cwd=ROOT, env=kit.test_environment(base), capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=kit.venv.test_environment(base), capture_output=True, text=True)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_test_run_has_one_torch_thread_per_worker_unless_asked_otherwise():
-    assert kit.test_environment({})["OMP_NUM_THREADS"] == "1"
-    assert kit.test_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert kit.venv.test_environment({})["OMP_NUM_THREADS"] == "1"
+    assert kit.venv.test_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
 
 
 def test_the_test_run_writes_bytecode_so_that_each_process_does_not_compile_torch_again():
     """Device: none. Set-up installs without compiling; the run's first import writes each .pyc for the rest."""
-    assert "PYTHONDONTWRITEBYTECODE" not in kit.test_environment({"PYTHONDONTWRITEBYTECODE": "1"})
+    assert "PYTHONDONTWRITEBYTECODE" not in kit.venv.test_environment({"PYTHONDONTWRITEBYTECODE": "1"})
 
 
 def test_the_whole_suite_runs_on_two_workers_and_a_chosen_test_in_one_process(monkeypatch):
