@@ -31,7 +31,7 @@ from torch import nn
 from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .amp import CardAmp
-from .counter import FAKE_LEDGER, gc_paused, round_up
+from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .hoststate import gpu_state_only, ran_capturable_off
 from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_factory, check_model_factory,
@@ -224,11 +224,12 @@ def predict(make_model: Callable[[], nn.Module],
     # collector runs first where the fake ledger knows storages that live on (a prediction frees its own garbage
     # before it returns, so after one there are usually none). Its simulated GPU places nothing that existed
     # before it (follow(fresh=True)): garbage in a reference cycle, which only a full collection would find.
-    FAKE_LEDGER.settle()
-    with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
-        prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
-                              collect_young, card, breakdown)
-        collect_young()
+    with ONE_PREDICTION:  # (another thread's prediction ends first: the fake ledger counts every thread)
+        FAKE_LEDGER.settle()
+        with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
+            prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,
+                                  collect_young, card, breakdown)
+            collect_young()
     return prediction
 
 

@@ -55,7 +55,7 @@ from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
-from .counter import FAKE_LEDGER, gc_paused, round_up
+from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, round_up
 from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_optimizer, fake_model,
                         swappable_fakes)
 from .report import format_bytes, html_table
@@ -354,6 +354,12 @@ def predict_offload(make_model: Callable[[], nn.Module],
         from .cards import Card, card as card_named
 
         card = card if isinstance(card, Card) else card_named(card)
+    with ONE_PREDICTION:  # (another thread's prediction ends first: the fake ledger counts every thread)
+        return _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps, card)
+
+
+def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: int, card) -> OffloadPrediction:
+    """``predict_offload``'s prediction, its arguments checked (``card``: a ``Card`` or None)."""
     # the rules' dropout (the fused kernel's bool mask) is for the GPU's tensors; the host's run the CPU's
     rules = CudaRules(card.compute_capability if card is not None else SM90, gpu=SIMULATED_DEVICE)
     FAKE_LEDGER.settle()

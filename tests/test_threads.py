@@ -207,3 +207,48 @@ def test_a_mode_left_on_an_ended_thread_leaves_no_process_wide_flag_that_stops_t
     meter.__exit__(None, None, None)
     assert not dispatch._is_in_any_mode_without_ignore_compile_internals
     assert not dispatch._is_in_torch_dispatch_mode and not LEDGER._pushed
+
+
+def test_a_prediction_on_another_thread_waits_for_the_one_running_and_each_is_its_own():
+    """Device: cpu (predicting for CUDA: each prediction drives a simulated GPU from the fake ledger, which counts
+    every thread). A prediction started on a second thread while one runs (here from inside the first one's model
+    factory, so that the two overlap) waits for it: each gives what it gives alone, to the byte, for predict(),
+    predict_offload() and plan()."""
+    from gpukit.estimate import predict
+    from gpukit.offload import predict_offload
+
+    make_optimizer = lambda params: torch.optim.AdamW(params)  # noqa: E731
+    small = lambda: torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))  # noqa
+    wide = lambda: torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))  # noqa
+    batch = lambda: (torch.randn(32, 64), torch.randint(0, 8, (32,)))  # noqa: E731
+    runs = {
+        "predict": lambda make_model: predict(make_model, make_optimizer, batch, device="cuda").reserved_peak,
+        "offload": lambda make_model: predict_offload(make_model, make_optimizer, batch).reserved_peak,
+        "plan": lambda make_model: gpukit.plan(make_model, make_optimizer, batch, "4GB", verify=False, alternatives=0,
+                                               techniques=gpukit.plan.Techniques(precisions=["float32", "bf16"],
+                                                                                 implementations=False)).choice.need,
+    }
+    alone = {(what, name): run(model) for what, run in runs.items() for name, model in (("small", small),
+                                                                                        ("wide", wide))}
+    for first, second in (("predict", "offload"), ("plan", "predict"), ("offload", "plan")):
+        got, errors = {}, []
+
+        def second_run():
+            try:
+                got[second] = runs[second](wide)
+            except BaseException as err:  # noqa: BLE001 - handed to the test thread
+                errors.append(err)
+
+        other = threading.Thread(target=second_run)
+
+        def overlapping():  # the first one's model factory: the second starts while the first is running
+            if other.ident is None:
+                other.start()
+                other.join(timeout=0.3)  # (it waits for the first, which goes on)
+            return small()
+
+        got[first] = runs[first](overlapping)
+        other.join(timeout=120)
+        if errors:
+            raise errors[0]
+        assert (got[first], got[second]) == (alone[(first, "small")], alone[(second, "wide")]), (first, second)

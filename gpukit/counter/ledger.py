@@ -463,3 +463,8 @@ INTERRUPTS.protect(claim, Ledger.to_host, Ledger.start, Ledger.stop, Ledger.sett
 
 LEDGER = Ledger()
 FAKE_LEDGER = Ledger(fake=True)
+# One prediction at a time in a process: FAKE_LEDGER counts the storages every thread makes, and a prediction's
+# simulated GPU, its CUDA rules and its autocast patch functions of torch's own (F.dropout, torch.autocast's
+# __init__, GradScaler's methods) for the whole process. gpukit.estimate.predict, gpukit.offload.predict_offload and
+# gpukit.plan hold it: a prediction on another thread waits for the one running (re-entrant: a plan predicts).
+ONE_PREDICTION = threading.RLock()

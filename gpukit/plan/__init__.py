@@ -73,6 +73,7 @@ import torch
 from torch import nn
 
 from ..cards import Card
+from ..counter import ONE_PREDICTION
 from ..factories import check_factories
 from ..report import format_bytes, parse_bytes
 from ..step import resolve_loss
@@ -167,6 +168,14 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
                     batch="lambda: (inputs, targets)" if loss is None else "lambda: batch")
     loss = resolve_loss(loss)
     limit = parse_bytes(budget if budget is not None else gpu.torch_total_memory or gpu.memory_bytes)
+    with ONE_PREDICTION:  # (a plan on another thread ends first: the fake ledger counts every thread)
+        return _planned(make_model, make_optimizer, make_batch, limit, gpu, host, techniques, gpus, device, loss,
+                        alternatives, verify, t0)
+
+
+def _planned(make_model, make_optimizer, make_batch, limit: int, gpu: Card, host, techniques, gpus: int, device: str,
+             loss, alternatives: int, verify: bool, t0: float) -> Plan:
+    """``plan()``'s search, its arguments checked (``t0``: when it was called)."""
     search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, card=gpu,
                         host=host, techniques=techniques, alternatives=alternatives, loss=loss)
     rows = search.run()
