@@ -31,7 +31,7 @@ from torch import nn
 from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, follow
 from .amp import CardAmp
-from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, round_up
+from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .hoststate import gpu_state_only, ran_capturable_off
 from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_factory, check_model_factory,
@@ -225,6 +225,7 @@ def predict(make_model: Callable[[], nn.Module],
     # before it returns, so after one there are usually none). Its simulated GPU places nothing that existed
     # before it (follow(fresh=True)): garbage in a reference cycle, which only a full collection would find.
     with ONE_PREDICTION:  # (another thread's prediction ends first: the fake ledger counts every thread)
+        refuse_inside_a_fake_run("predict()")
         FAKE_LEDGER.settle()
         with gc_paused(full=bool(FAKE_LEDGER.sizes)) as collect_young:
             prediction = _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules_depth, kind,

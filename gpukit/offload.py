@@ -55,7 +55,7 @@ from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
-from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, round_up
+from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_optimizer, fake_model,
                         swappable_fakes)
 from .report import format_bytes, html_table
@@ -355,6 +355,7 @@ def predict_offload(make_model: Callable[[], nn.Module],
 
         card = card if isinstance(card, Card) else card_named(card)
     with ONE_PREDICTION:  # (another thread's prediction ends first: the fake ledger counts every thread)
+        refuse_inside_a_fake_run("predict_offload()")
         return _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps, card)
 
 

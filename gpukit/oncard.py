@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .counter import FAKE_LEDGER
+from .counter import FAKE_LEDGER, ONE_PREDICTION
 from .simulated import CardDevice, SimulatedCuda, simulated_cuda
 
 __all__ = ["CardRun", "on_card"]
@@ -53,18 +53,19 @@ class _CardRunContext:
 
         cuda = self.cuda
         card_alloc = cuda.allocator  # (a card replaced or closed refuses); the real tensors' events run first
-        if FAKE_LEDGER.listener is not None:
-            raise RuntimeError("on_card() cannot run inside predict(), plan() or another on_card(): each has the fake "
-                               "tensors' counter to itself")
-        run = self.run = CardRun(cuda.card.name, simulated=True)
-        device = self.device = CardDevice(allocator=card_alloc, lazy=False, only=self.only)
-        device.raise_oom = True
 
         class _Healthy(ValuesWhileBuilding):
             MADE_UP = {"bool": False, "float": 0.0, "int": 0}
 
         stack = self.stack = contextlib.ExitStack()
+        stack.enter_context(ONE_PREDICTION)  # a prediction or block of another thread ends first; held to the end
         try:
+            if FAKE_LEDGER.listener is not None:
+                raise RuntimeError("on_card() cannot run inside predict(), plan() or another on_card(): each has the "
+                                   "fake tensors' counter to itself")
+            run = self.run = CardRun(cuda.card.name, simulated=True)
+            device = self.device = CardDevice(allocator=card_alloc, lazy=False, only=self.only)
+            device.raise_oom = True
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             mode.__deepcopy__ = lambda memo: mode  # deep copies stay in this mode (see gpukit.estimate)
             stack.enter_context(swappable_fakes(mode))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
 
 import pytest
 import torch
@@ -147,6 +148,44 @@ def test_on_card_places_a_step_as_predict_does(cuda):
     assert cuda.max_memory_allocated() == predicted.peak
     assert predicted.workspaces > 0  # the cuBLAS workspaces of both threads are part of both
     assert cuda.memory_allocated() == 0
+
+
+def test_a_prediction_inside_a_card_run_is_refused_by_name_and_one_on_another_thread_waits_for_it(cuda):
+    """Device: cpu (a simulated T4, fake tensors). predict(), predict_offload() and plan() inside an on_card() block
+    are refused, naming themselves, and the block goes on as before; on_card() inside a prediction's step too. A
+    prediction on another thread waits for the block to end, then gives what it gives alone."""
+    import threading
+
+    from gpukit.estimate import predict
+    from gpukit.offload import predict_offload
+
+    make_model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    make_opt = lambda p: torch.optim.Adam(p)
+    make_batch = lambda: (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    alone = predict(make_model, make_opt, make_batch, card="t4").peak
+    got = {}
+    other = threading.Thread(target=lambda: got.update(peak=predict(make_model, make_opt, make_batch, card="t4").peak))
+    with on_card(cuda):
+        x = torch.ones(1024, 1024)
+        other.start()
+        for what, call in (("predict()", lambda: predict(make_model, make_opt, make_batch, card="t4")),
+                           ("predict_offload()", lambda: predict_offload(make_model, make_opt, make_batch)),
+                           ("plan()", lambda: gpukit.plan(make_model, make_opt, make_batch, "4GB", verify=False))):
+            with pytest.raises(RuntimeError, match=rf"^{re.escape(what)} cannot run inside an on_card\(\) block"):
+                call()
+        other.join(timeout=0.5)
+        assert other.is_alive() and not got  # waiting for the block to end
+        assert cuda.memory_allocated() == 4 * 2**20 and (x + 1).shape == x.shape  # the block goes on
+    other.join(timeout=60)
+    assert got == {"peak": alone}
+
+    def step(model, optimizer, batch):
+        with on_card(cuda):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"on_card\(\) cannot run inside predict\(\)"):
+        predict(make_model, make_opt, make_batch, step, card="t4")
+    assert predict(make_model, make_opt, make_batch, card="t4").peak == alone
 
 
 def test_inside_a_card_run_the_card_is_read_up_to_date(cuda):

@@ -60,13 +60,12 @@ The package, one job a module:
 """
 
 from .interrupts import INTERRUPTS
-from .ledger import FAKE_LEDGER, LEDGER, ONE_PREDICTION, Ledger
+from .ledger import FAKE_LEDGER, LEDGER, ONE_PREDICTION, Ledger, refuse_inside_a_fake_run
 from .mode import CompileRanEagerWarning, user_stacklevel, warn_compile_ran_eagerly
 from .records import Tally
 from .scan import gc_paused, saved_tensors
 from .sizes import ALIGNMENT, SMALL_REQUEST, allocated_size, allocated_size_range, cuda_allocated_range, round_up
 
 __all__ = ["ALIGNMENT", "CompileRanEagerWarning", "FAKE_LEDGER", "INTERRUPTS", "LEDGER", "Ledger", "ONE_PREDICTION",
-           "SMALL_REQUEST",
-           "Tally", "allocated_size", "allocated_size_range", "cuda_allocated_range", "gc_paused", "round_up",
-           "saved_tensors", "user_stacklevel", "warn_compile_ran_eagerly"]
+           "SMALL_REQUEST", "Tally", "allocated_size", "allocated_size_range", "cuda_allocated_range", "gc_paused",
+           "refuse_inside_a_fake_run", "round_up", "saved_tensors", "user_stacklevel", "warn_compile_ran_eagerly"]

@@ -468,3 +468,11 @@ FAKE_LEDGER = Ledger(fake=True)
 # __init__, GradScaler's methods) for the whole process. gpukit.estimate.predict, gpukit.offload.predict_offload and
 # gpukit.plan hold it: a prediction on another thread waits for the one running (re-entrant: a plan predicts).
 ONE_PREDICTION = threading.RLock()
+
+
+def refuse_inside_a_fake_run(what: str) -> None:
+    """Raise where the fake ledger already drives a simulated GPU (held with ``ONE_PREDICTION``, so this thread's):
+    ``what`` (``"predict()"``) called inside an ``on_card()`` block or inside the step of a prediction."""
+    if FAKE_LEDGER.listener is not None:
+        raise RuntimeError(f"{what} cannot run inside an on_card() block, nor inside the step of another prediction: "
+                           "the fake tensors' counter is theirs until they end; call it after the block")

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from ..cards import Card
-from ..counter import ONE_PREDICTION
+from ..counter import ONE_PREDICTION, refuse_inside_a_fake_run
 from ..factories import check_factories
 from ..report import format_bytes, parse_bytes
 from ..step import resolve_loss
@@ -169,6 +169,7 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
     loss = resolve_loss(loss)
     limit = parse_bytes(budget if budget is not None else gpu.torch_total_memory or gpu.memory_bytes)
     with ONE_PREDICTION:  # (a plan on another thread ends first: the fake ledger counts every thread)
+        refuse_inside_a_fake_run("plan()")
         return _planned(make_model, make_optimizer, make_batch, limit, gpu, host, techniques, gpus, device, loss,
                         alternatives, verify, t0)
 
