@@ -131,4 +131,4 @@ def test_environment_yml_installs_gpukit_with_every_extra_as_kit_py_does():
     _, pip = env_specs()
     editable = [s.strip() for s in pip if s.strip().startswith("-e .")]
     assert editable == [f"-e .[{','.join(extras)}]"]
-    assert f'[{",".join(extras)}]' in (ROOT / "kit.py").read_text()
+    assert f'[{",".join(extras)}]' in (ROOT / "kitlib" / "venv.py").read_text()  # kit.py's set-up
