@@ -484,6 +484,24 @@ def test_a_forward_far_below_the_budget_goes_on_where_its_optimizers_state_could
     assert search.evaluate(c).need >= bound
 
 
+def test_a_candidate_whose_state_alone_is_over_the_budget_costs_no_prediction():
+    """Device: cpu (a CUDA plan). What a step starts with (parameters, gradients, optimizer state: read without a
+    prediction) and the context allowance over the budget prune a candidate before any prefix of its configuration is
+    predicted: under the model's state, or under the allowance alone, a plan makes no prediction (it made one prefix
+    per configuration: 224 for this MLP under 30 MB), and every row says what was over the budget."""
+    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
+    case = (lambda: torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)),
+            lambda p: torch.optim.AdamW(p), lambda: (x.clone(), y.clone()))
+    # float32 parameters, gradients and AdamW's two moments; the least a candidate holds is an eighth of it (bfloat16
+    # weights alone on the card, their gradients and moments on the host)
+    state = 4 * 4 * (512 * 2048 + 2048 + 2048 * 10 + 10)
+    for limit, allowance in ((state // 10, 0), (10**8, 2 * 10**8)):
+        search = search_for(case, "cuda", limit=limit, allowance=allowance)
+        rows = search.run()
+        assert search.predictions == 0 and rows and all(r.fits is False and r.bound > limit for r in rows)
+        assert all(r.verdict.startswith("pruned: model state alone need") for r in rows)
+
+
 def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):
     """Device: none. bitsandbytes' 8-bit AdamW, alone and stepped in backward (one optimizer per parameter): its
     quantisation maps computed once for every optimizer built under fake tensors leave the prediction as it was

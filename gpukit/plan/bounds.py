@@ -94,6 +94,11 @@ class Bounds:
         unit = self.facts.largest_block_bytes // (2 if c.precision == "half" else 1)
         return -(p + g + o) + math.ceil((p + g + o) / n) + 2 * unit + unit  # two gathered units and one's grads
 
+    def state_bound(self, c: Candidate) -> int:
+        """What the candidate's step starts with (parameters, gradients, optimizer state: ``state_info``, no
+        prediction), with its sharding formula and the context allowance: ``lower_bound`` without the floor."""
+        return self.state_info(c)["before"] + self.state_change(c) + self.allowance
+
     def lower_bound(self, c: Candidate) -> int:
         """Model state and the optimizer step alone: the floor's peak where it was predicted, or is worth
         predicting (what the step starts with, and twice the gradients for the optimizer step's temporaries, would be

@@ -165,6 +165,7 @@ class PlanSearch(Bounds, Ranking):
         self.copies: dict[tuple, int] = {}
         self.saved: dict[tuple, int] = {}  # a configuration -> its prefix's saved_bytes (a micro-batch's forward)
         self.found: list[Candidate] = []
+        self.progress = None  # a gpukit.progress.Progress told of each candidate as it is decided (plan() sets it)
 
     def candidates(self) -> list[Candidate]:
         found = []
@@ -305,6 +306,9 @@ class PlanSearch(Bounds, Ranking):
         fitting: list[Candidate] = []
         while heap:
             key, i, c, copies = heapq.heappop(heap)
+            if self.progress is not None:
+                self.progress.update(min(len(self.rows), len(todo)),
+                                     f"{self.predictions} predictions; {c.label} [{c.optimizer}]")
             if len(fitting) > self.alternatives and not self.could_rank_among(c, key[1], fitting):
                 self.pruned(c, "ranks after the recipes found", None)
                 continue
@@ -327,6 +331,10 @@ class PlanSearch(Bounds, Ranking):
             if self.host_memory is not None and on_host > self.host_memory:
                 self.pruned(c, f"its copies on the host alone need {format_bytes(on_host)}, more "
                                f"than the host's memory {format_bytes(self.host_memory)}")
+                continue
+            state = self.state_bound(c)
+            if state > self.limit:  # (before a prefix of its configuration is predicted: the state costs none)
+                self.pruned(c, f"model state alone need {format_bytes(state)}", bound=state)
                 continue
             if self.configuration(c) not in self.phases:
                 self.prefix(c)
