@@ -75,6 +75,7 @@ from torch import nn
 from ..cards import Card
 from ..counter import ONE_PREDICTION, refuse_inside_a_fake_run
 from ..factories import check_factories
+from ..progress import Progress
 from ..report import format_bytes, parse_bytes
 from ..step import resolve_loss
 from .candidates import (
@@ -177,14 +178,24 @@ def plan(make_model: Callable[[], nn.Module], make_optimizer: Callable[[Any], to
 def _planned(make_model, make_optimizer, make_batch, limit: int, gpu: Card, host, techniques, gpus: int, device: str,
              loss, alternatives: int, verify: bool, t0: float) -> Plan:
     """``plan()``'s search, its arguments checked (``t0``: when it was called)."""
-    search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, card=gpu,
-                        host=host, techniques=techniques, alternatives=alternatives, loss=loss)
-    rows = search.run()
-    timing_error = None
-    if verify and any(r.fits for r in rows):
-        timing_error = time_fitting(search)
-        rows = search.ordered()  # measured costs, where there are, rank the fitting recipes
-    choice = next((r for r in rows if r.fits and r.need is not None), None)
+    with Progress("plan(): candidates decided") as progress:
+        progress.update(0, "the model's facts (parameters, FLOPs, blocks to checkpoint)")
+        search = PlanSearch(make_model, make_optimizer, make_batch, limit, device=device, gpus=gpus, card=gpu,
+                            host=host, techniques=techniques, alternatives=alternatives, loss=loss)
+        progress.total, search.progress = len(search.candidates()), progress
+        rows = search.run()
+        timing_error = None
+        if verify and any(r.fits for r in rows):
+            progress.update(len(rows), "timing the fitting recipes' steps on this machine")
+            timing_error = time_fitting(search)
+            rows = search.ordered()  # measured costs, where there are, rank the fitting recipes
+        choice = next((r for r in rows if r.fits and r.need is not None), None)
+        verification = Verification(False, "not asked (verify=False)")
+        if verify:
+            progress.update(len(rows), "the chosen recipe's step, run for real")
+            verification = verify_choice(search, choice, timing_error)
+        progress.summary = (f"plan(): {len(rows)} candidates decided, {search.predictions} predictions, "
+                            f"{time.perf_counter() - t0:.0f} s")
     facts = search.facts
     note = (f"model: {facts.parameters:,} parameters, batch {facts.batch_size}"
             + (f" ({search.rank_batch} per GPU)" if gpus > 1 else "")
@@ -193,9 +204,6 @@ def _planned(make_model, make_optimizer, make_batch, limit: int, gpu: Card, host
                    + f"slowdown estimated at {gpu.fp32_tflops:g} TFLOP/s, memory {format_bytes(search.memory_bw)}/s, "
                    f"host copies {format_bytes(search.host_bw)}/s (AMP speed-up and communication not counted)")
     code = recipe_code(choice.candidate, search, device) if choice else "# nothing fits: see the table"
-    verification = Verification(False, "not asked (verify=False)")
-    if verify:
-        verification = verify_choice(search, choice, timing_error)
     result = Plan(limit, device, gpus, search.allowance, rows, choice, code, verification, search.predictions,
                   time.perf_counter() - t0, assumptions, note, {k: v[0] for k, v in search.optimizers.items()})
     result._make_model, result._make_batch, result._loss = search.make_real_model, make_batch, search.loss
