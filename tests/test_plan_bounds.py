@@ -500,6 +500,13 @@ def test_a_candidate_whose_state_alone_is_over_the_budget_costs_no_prediction():
         rows = search.run()
         assert search.predictions == 0 and rows and all(r.fits is False and r.bound > limit for r in rows)
         assert all(r.verdict.startswith("pruned: model state alone need") for r in rows)
+    # After a floor was predicted (its figures hold no "before"), the bound is the floor's peak.
+    search = search_for(case, "cuda", limit=state // 10, precisions=("float32",), accumulate=[1], checkpointing=False,
+                        implementations=False)
+    c = search.candidates()[0]
+    floor = search.floor(c)["peak"]
+    assert search.state_bound(c) == floor > state and search.lower_bound(c) == floor
+    assert search.run() and search.predictions == 1
 
 
 def test_quantisation_maps_made_once_change_no_prediction(monkeypatch):

@@ -96,8 +96,11 @@ class Bounds:
 
     def state_bound(self, c: Candidate) -> int:
         """What the candidate's step starts with (parameters, gradients, optimizer state: ``state_info``, no
-        prediction), with its sharding formula and the context allowance: ``lower_bound`` without the floor."""
-        return self.state_info(c)["before"] + self.state_change(c) + self.allowance
+        prediction), or its floor's peak where that was predicted, with its sharding formula and the context
+        allowance: ``lower_bound`` without predicting a floor."""
+        key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
+        state = self.floors[key]["peak"] if key in self.floors else self.state_info(c)["before"]
+        return state + self.state_change(c) + self.allowance
 
     def lower_bound(self, c: Candidate) -> int:
         """Model state and the optimizer step alone: the floor's peak where it was predicted, or is worth
