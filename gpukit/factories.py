@@ -275,6 +275,29 @@ IMPORT_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "peft")
 
 
 @contextlib.contextmanager
+def this_threads_warnings():
+    """Inside the block, every warning this thread issues is recorded in the list it yields (each time it is issued:
+    the "always" filter) instead of reaching the output; another thread's warning (a data loader's, a logger's) is
+    shown as it would be. On exit, the filters and ``warnings.showwarning`` are as they were.
+
+    ``warnings.catch_warnings(record=True)`` records every thread's: a plan would swallow what the user's other
+    threads warned while it ran."""
+    me, log = threading.get_ident(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning  # the one in force: another thread's warning still goes there
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == me:
+                log.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield log
+
+
+@contextlib.contextmanager
 def quiet_import():
     """Import a library a prediction needs (peft, torchao, bitsandbytes, transformers' quantizers) outside any fake mode
     (the tensors a library makes when imported stay real, and no fake storage lives on in its modules, which would
@@ -295,8 +318,7 @@ def quiet_import():
         log.addHandler(keep)
         log.propagate = False
     try:
-        with warnings.catch_warnings(record=True) as warned, _disable_current_modes():
-            warnings.simplefilter("always")
+        with this_threads_warnings() as warned, _disable_current_modes():
             yield
     except BaseException:
         _restore(saved, keep)

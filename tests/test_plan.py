@@ -4,6 +4,7 @@ the pruning against an exhaustive search, the pasted code, and bad input. Small 
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 
 import pytest
@@ -294,6 +295,10 @@ class _WarnsInBfloat16(torch.nn.Module):
     def forward(self, x):
         if self.layers[0].weight.dtype == torch.bfloat16:
             warnings.warn("a forward in bfloat16 weights", UserWarning)
+            # and a thread of the user's warns meanwhile (a data loader's, a logger's): not the candidate's
+            other = threading.Thread(target=lambda: warnings.warn("from the user's other thread", UserWarning))
+            other.start()
+            other.join()
         return self.layers(x.to(self.layers[0].weight.dtype))
 
 
@@ -314,6 +319,9 @@ def test_what_a_candidate_warns_goes_into_its_row_not_to_the_users_output():
     assert p.choice.candidate.precision == "bf16 weights"
     assert p.choice.how.count("UserWarning: a forward in bfloat16 weights") == 1
     assert warnings.filters == filters
+    # what the user's other thread warned while the plan ran reached the output, and no row
+    assert [w for w in shown if str(w.message) == "from the user's other thread"]
+    assert not [r for r in p.rows if "other thread" in r.how]
 
 
 def test_plan_is_exported():

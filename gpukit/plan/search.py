@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 import heapq
-import warnings
 from dataclasses import replace
 from typing import Callable
 
 from .._torch import FakeTensorMode
 from ..estimate import CONTEXT_ALLOWANCE, predict
-from ..factories import TensorsFromFakeLists
+from ..factories import TensorsFromFakeLists, this_threads_warnings
 from ..report import format_bytes
 from ..step import micro_loss
 from .candidates import (
@@ -216,8 +215,7 @@ class PlanSearch(Bounds, Ranking):
         and weight")."""
         if c in self.rows and self.rows[c].need is not None:
             return self.rows[c]
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
+        with this_threads_warnings() as warned:
             row = host_steps.evaluate(self, c) if c.optimizer in self.host else self.predicted(c)
         said = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in warned))
         if said:
@@ -291,9 +289,8 @@ class PlanSearch(Bounds, Ranking):
 
     def run(self) -> list[Row]:
         """The search; what its bounds' predictions warned is dropped (a candidate predicted keeps its own in its
-        row: ``evaluate``)."""
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
+        row: ``evaluate``), what the user's other threads warn meanwhile is not."""
+        with this_threads_warnings():
             return self.searched()
 
     def searched(self) -> list[Row]:
