@@ -8,10 +8,16 @@ each such row is predicted on fake tensors for the card that ran it (``predict(c
 (``gpukit.warm_up``), so they are left out of the predicted figures (``Prediction.workspaces``), as they are out
 of the measured ones.
 
-Rows off by more than 0.5% (the peak or the state) are printed at the end: what a GPU run says the predictor
-still misses. Writes bench/out/recorded_runs.csv.
+A run recorded with its reserved memory (``reserved_bytes``: the technique matrix records it on a GPU since
+2026-11-28) is compared on it too, with the prediction's reserved memory (the simulated caching allocator's, the
+workspaces' own segments included, as the run's emptied cache kept them).
 
-    python3 kit.py bench recorded_runs
+Rows off by more than 0.5% (the peak, the state or the reserved memory) are printed at the end: what a GPU run says
+the predictor still misses. Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a
+run: ``kit.py gpu-check`` runs it so), the predicted figures are also written into that run's own CSV in
+data/runs/, beside the measured ones, with the gpukit and torch that predicted them.
+
+    python3 kit.py bench recorded_runs [--record]
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ def predict_row(row: dict) -> dict:
         p = predict(make_model, adamw, make_batch, step, card=card, breakdown=False)
         peak, state = p.peak, p.before_step
     return {"predicted_peak_bytes": peak - p.workspaces, "predicted_state_bytes": state - p.workspaces,
-            "predicted_workspace_bytes": p.workspaces, "card": card.key,
+            "predicted_reserved_bytes": p.reserved_peak, "predicted_workspace_bytes": p.workspaces, "card": card.key,
             "predict_seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -77,7 +83,7 @@ def error(predicted: int, measured: int) -> float:
     return (predicted - measured) / measured
 
 
-def main() -> list[dict]:
+def main(record: bool = False) -> list[dict]:
     rows = []
     print(f"{'model':<26}{'technique':<44}{'peak MiB':>10}{'pred.':>10}{'err %':>8}{'state MiB':>11}{'pred.':>10}"
           f"{'err %':>8}", flush=True)
@@ -94,6 +100,11 @@ def main() -> list[dict]:
             continue
         out["peak_error_pct"] = round(100 * error(out["predicted_peak_bytes"], out["measured_peak_bytes"]), 3)
         out["state_error_pct"] = round(100 * error(out["predicted_state_bytes"], out["measured_state_bytes"]), 3)
+        out["measured_reserved_bytes"] = out["reserved_error_pct"] = None  # (a run recorded before had none)
+        if rec.get("reserved_bytes"):  # (recorded since 2026-11-28)
+            out["measured_reserved_bytes"] = int(rec["reserved_bytes"])
+            out["reserved_error_pct"] = round(100 * error(out["predicted_reserved_bytes"],
+                                                          out["measured_reserved_bytes"]), 3)
         out["status"] = "ok"
         rows.append(out)
         print(f"{rec['model']:<26}{rec['technique']:<44}{out['measured_peak_bytes'] / 2**20:>10.1f}"
@@ -101,14 +112,48 @@ def main() -> list[dict]:
               f"{out['measured_state_bytes'] / 2**20:>11.1f}{out['predicted_state_bytes'] / 2**20:>10.1f}"
               f"{out['state_error_pct']:>8.2f}", flush=True)
     write_csv("recorded_runs.csv", rows)
+    if record:
+        written = ", ".join(write_back(rows)) or "none (no run of this machine was replayed)"
+        print(f"predictions written beside the measurements in data/runs/: {written}")
     return rows
+
+
+PREDICTED = ("predicted_peak_bytes", "predicted_state_bytes", "predicted_reserved_bytes", "predicted_workspace_bytes")
+
+
+def write_back(rows: list[dict], folder: Path = RUNS_DIR, info: dict | None = None) -> list[str]:
+    """Write each replayed row's predicted figures into its recorded run's CSV in ``folder``, beside the measured
+    ones (the columns ``PREDICTED``, and ``predicted_with``: the gpukit and torch that predicted), for the run of this
+    machine only (``results.slug`` of ``info``, by default this machine's: a run another card recorded keeps what it
+    had). Returns the names of the files written."""
+    from results import machine, slug, write_rows
+
+    import gpukit
+
+    mine = f"{slug(info or machine())}.csv"
+    written = []
+    for path in sorted(Path(folder).glob(mine)):
+        with path.open() as f:
+            recorded = list(csv.DictReader(f))
+        found = {(r["model"], r["technique"]): r for r in rows if r["run"] == path.name and r.get("status") == "ok"}
+        if not found:
+            continue
+        with_ = f"gpukit {gpukit.__version__}, torch {torch.__version__}"
+        for row in recorded:
+            got = found.get((row["model"], row["technique"]))
+            row.update({k: got[k] for k in PREDICTED} if got else dict.fromkeys(PREDICTED, ""))
+            row["predicted_with"] = with_ if got else ""
+        write_rows(path, recorded, {})
+        written.append(path.name)
+    return written
 
 
 def off(rows: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
     """The rows whose predicted peak or state is off by more than ``tolerance`` of the measured one, or not
     predicted at all."""
     return [r for r in rows if r.get("status") != "ok" or abs(r["peak_error_pct"]) > 100 * tolerance
-            or abs(r["state_error_pct"]) > 100 * tolerance]
+            or abs(r["state_error_pct"]) > 100 * tolerance
+            or abs(r.get("reserved_error_pct") or 0) > 100 * tolerance]
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -119,11 +164,15 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"  off on {run.removesuffix('.csv')}:")
         for r in missed:
             if r["run"] == run:
-                why = r["status"] if r.get("status") != "ok" else (f"peak {r['peak_error_pct']:+.2f}%, "
-                                                                    f"state {r['state_error_pct']:+.2f}%")
+                reserved = r.get("reserved_error_pct")
+                why = r["status"] if r.get("status") != "ok" else (
+                    f"peak {r['peak_error_pct']:+.2f}%, state {r['state_error_pct']:+.2f}%"
+                    + (f", reserved {reserved:+.2f}%" if reserved is not None else ""))
                 lines.append(f"    {r['model']}, {r['technique']}: {why}")
     return lines
 
 
 if __name__ == "__main__":
-    print("\n".join(summary(main())))
+    import sys
+
+    print("\n".join(summary(main(record="--record" in sys.argv[1:]))))

@@ -36,13 +36,15 @@ def slug(info: dict) -> str:
 
 
 def write_rows(path: str | Path, rows: list[dict], info: dict) -> Path:
-    """Write ``rows`` (dicts with the same keys) as a CSV at ``path``, each row with the machine's columns
-    ``info`` added (a row's own value wins where it has the same key); returns the path."""
+    """Write ``rows`` as a CSV at ``path``, each row with the machine's columns ``info`` added (a row's own value wins
+    where it has the same key); returns the path. The columns are every row's, in the order first met: a row without
+    one (a case that failed before its figures) leaves its cells empty."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys([k for row in rows for k in row] + list(info)))
     rows = [{**row, **{k: v for k, v in info.items() if k not in row}} for row in rows]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     return path

@@ -3,6 +3,7 @@
     python3 kit.py bench                       every benchmark: bench/out/NAME.csv each, then bench/out/summary.txt
     python3 kit.py bench exactness techniques  only those
     python3 kit.py bench techniques --record   also keep the technique matrix as data/runs/<machine>.csv
+    python3 kit.py bench recorded_runs --record   also write the predictions into data/runs/<machine>.csv
     python3 kit.py bench --results-page        only rewrite docs/results.md's results section (and docs/results.png)
                                                from bench/out/ and data/runs/; after NAMEs: run them first
     python3 kit.py bench --threads 0           torch's intra-op threads, here and in the notebooks' kernels
@@ -46,7 +47,8 @@ def write_summary(lines: list[str], seconds: float) -> str:
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python3 kit.py bench", description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run, of {BENCHMARKS} (default: all)")
-    parser.add_argument("--record", action="store_true", help="keep the technique matrix in data/runs/")
+    parser.add_argument("--record", action="store_true", help="keep the technique matrix in data/runs/ (with "
+                        "recorded_runs: the predictions of this machine's recorded run, beside its measurements)")
     parser.add_argument("--results-page", action="store_true", help="rewrite docs/results.md's results section")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads (default 1; 0: torch's default, one per core)")
@@ -55,8 +57,9 @@ def main(args: list[str]) -> int:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
-    if record and names and "techniques" not in names:
-        parser.error("--record keeps the technique matrix: run it with `techniques`")
+    if record and names and not {"techniques", "recorded_runs"} & set(names):
+        parser.error("--record keeps the technique matrix, or the predictions of this machine's recorded run, in "
+                     "data/runs/: run it with `techniques` or `recorded_runs`")
     if opts.threads:
         import torch
 
@@ -69,7 +72,7 @@ def main(args: list[str]) -> int:
     for name in names:
         print(f"== {name}", flush=True)
         module = importlib.import_module(name)
-        rows = module.main(record=record) if name == "techniques" else module.main()
+        rows = module.main(record=record) if name in ("techniques", "recorded_runs") else module.main()
         lines += module.summary(rows)
     if names:
         print(f"== summary\n{write_summary(lines, time.perf_counter() - t0)}", end="", flush=True)

@@ -336,7 +336,7 @@ def gpu_check(args: list[str]) -> int:
             if code == 0 and recorded:
                 # The run just recorded, replayed: each row predicted for this card beside its measurement (CPU work
                 # on fake tensors, so it runs beside the notebooks that do not time anything).
-                compare = start([venv.VENV_PY, venv.ROOT / "bench" / "run.py", "recorded_runs"],
+                compare = start([venv.VENV_PY, venv.ROOT / "bench" / "run.py", "recorded_runs", "--record"],
                                 logs / "recorded_runs.log")
                 compare_began = time.time()
 
@@ -395,18 +395,22 @@ def gpu_check(args: list[str]) -> int:
 
 def comparison_lines(table: Path, run: str, tolerance_pct: float = 0.5) -> list[str]:
     """The recorded run ``run`` (a data/runs/ CSV's name) replayed by bench/recorded_runs.py: how many of its rows
-    were predicted within ``tolerance_pct`` of the measured peak and state, and each row that was not."""
+    were predicted within ``tolerance_pct`` of the measured peak, state and reserved memory (where the run recorded
+    it), and each row that was not."""
     import csv
 
     with open(table) as f:
         rows = [r for r in csv.DictReader(f) if r.get("run") == run]
-    off = [r for r in rows if r.get("status") != "ok" or abs(float(r["peak_error_pct"])) > tolerance_pct
-           or abs(float(r["state_error_pct"])) > tolerance_pct]
+    errors = ("peak_error_pct", "state_error_pct", "reserved_error_pct")
+    off = [r for r in rows if r.get("status") != "ok"
+           or any(r.get(e) and abs(float(r[e])) > tolerance_pct for e in errors)]
+    reserved = any(r.get("reserved_error_pct") for r in rows)
     lines = [f"predictions: {len(rows) - len(off)} of {len(rows)} rows of {run} predicted within {tolerance_pct:g}% "
-             f"of the measured peak and state ({table.relative_to(venv.ROOT)})"]
+             f"of the measured peak{', state and reserved memory' if reserved else ' and state'} "
+             f"({table.relative_to(venv.ROOT)})"]
     for r in off:
-        why = r["status"] if r.get("status") != "ok" else \
-            f"peak {float(r['peak_error_pct']):+.2f}%, state {float(r['state_error_pct']):+.2f}%"
+        why = r["status"] if r.get("status") != "ok" else ", ".join(
+            f"{e.split('_')[0]} {float(r[e]):+.2f}%" for e in errors if r.get(e))
         lines.append(f"  prediction off: {r['model']}, {r['technique']}: {why}")
     return lines
 

@@ -23,8 +23,8 @@ from gpukit.lessons.techniques import (BASELINE, TECHNIQUES, Setup, Technique, m
 ROOT = Path(__file__).resolve().parent.parent
 TINY = Setup("tiny mlp 32x6", lambda: MLP(width=32, depth=6), digits_batch, 128)
 BY_NAME = {t.name: t for t in TECHNIQUES}
-ROW_KEYS = {"model", "technique", "batch", "micro_batch", "measured_on", "peak_bytes", "state_bytes", "step_ms",
-            "samples_per_s", "timed_steps", "status", "peak_vs_baseline"}
+ROW_KEYS = {"model", "technique", "batch", "micro_batch", "measured_on", "peak_bytes", "state_bytes", "reserved_bytes",
+            "step_ms", "samples_per_s", "timed_steps", "status", "peak_vs_baseline"}
 
 
 def load_bench(name):
@@ -49,7 +49,22 @@ def test_every_technique_gives_a_row_with_every_column(matrix):
     for row in matrix.values():
         assert set(row) == ROW_KEYS
         assert row["peak_bytes"] > row["state_bytes"] > 0
+        assert row["reserved_bytes"] is None  # a GPU's caching allocator only: none on the CPU
         assert row["status"] in ("ok", "simulated GPU (meta): memory only, no time")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_each_row_has_its_reserved_memory_from_an_emptied_cache():
+    """Device: cuda. A row's reserved memory is whole segments (2 MiB multiples: CUDACachingAllocator.cpp's
+    kSmallBuffer, kRoundLarge) holding at least its peak, and what an earlier row cached is not in it: a small step
+    after a big one reserves what it does after a small one."""
+    big = Setup("wide mlp 2048x6", lambda: MLP(width=2048, depth=6), digits_batch, 4096)
+    first = measure_technique(TINY, BASELINE, "cuda", steps=0)
+    measure_technique(big, BASELINE, "cuda", steps=0)
+    again = measure_technique(TINY, BASELINE, "cuda", steps=0)
+    for row in (first, again):
+        assert row["reserved_bytes"] % 2**21 == 0 and row["reserved_bytes"] >= row["peak_bytes"]
+    assert again["reserved_bytes"] == first["reserved_bytes"]
 
 
 @pytest.mark.parametrize("technique", ["accumulation k=4", "checkpointing", "AMP bf16", "half, BatchNorm float32",
@@ -259,3 +274,15 @@ def test_a_small_published_style_run_is_predicted_end_to_end(published):
     assert row["predicted_mib"] == pytest.approx(500 + row["predicted_reserved_mib"], abs=0.1)
     assert row["error_pct"] == pytest.approx(100 * (row["predicted_mib"] - 1000) / 1000, abs=0.01)
     assert not any(flag.startswith("not as on the card") for flag in row["flags"].split("; "))
+
+
+def test_a_table_whose_first_row_failed_before_its_figures_is_written_with_every_rows_columns(tmp_path):
+    """Device: none. A benchmark's first case can fail before its figures (bench/recorded_runs.py: a row not
+    predicted): the table still has every column, the machine's last, and that row's figures are empty cells."""
+    write_rows = load_bench("results").write_rows
+    path = write_rows(tmp_path / "t.csv", [{"case": "a", "status": "failed: x"},
+                                           {"case": "b", "peak": 5, "status": "ok"}], {"torch": "2.13"})
+    table = pd.read_csv(path, keep_default_na=False, dtype=str)
+    assert list(table.columns) == ["case", "status", "peak", "torch"]
+    assert table.to_dict("records") == [{"case": "a", "status": "failed: x", "peak": "", "torch": "2.13"},
+                                        {"case": "b", "status": "ok", "peak": "5", "torch": "2.13"}]

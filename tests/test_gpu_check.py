@@ -90,12 +90,14 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     os.utime(older, (time.time() - 3600, time.time() - 3600))
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "run.py").write_text(
-        "import sys\nassert sys.argv[1:] == ['recorded_runs']\nopen('bench/out/recorded_runs.csv', 'w').write("
-        "'run,model,technique,peak_error_pct,state_error_pct,status\\n'\n"
-        "'nvidia-h100-80gb-hbm3.csv,deep mlp,baseline,-0.1,0.0,ok\\n'\n"
-        "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,ok\\n'\n"
-        "'nvidia-h100-80gb-hbm3.csv,tiny gpt,AMP fp16,,,not predicted: RuntimeError: no\\n'\n"
-        "'a-older.csv,deep mlp,AMP fp16,-3.0,0.0,ok\\n')\n")
+        "import sys\nassert sys.argv[1:] == ['recorded_runs', '--record']\n"
+        "open('bench/out/recorded_runs.csv', 'w').write("
+        "'run,model,technique,peak_error_pct,state_error_pct,reserved_error_pct,status\\n'\n"
+        "'nvidia-h100-80gb-hbm3.csv,deep mlp,baseline,-0.1,0.0,0.2,ok\\n'\n"
+        "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,-0.1,ok\\n'\n"
+        "'nvidia-h100-80gb-hbm3.csv,deep mlp,AMP bf16,0.0,0.0,-1.5,ok\\n'\n"
+        "'nvidia-h100-80gb-hbm3.csv,tiny gpt,AMP fp16,,,,not predicted: RuntimeError: no\\n'\n"
+        "'a-older.csv,deep mlp,AMP fp16,-3.0,0.0,,ok\\n')\n")
     monkeypatch.setattr(kit.gpucheck, "run_until", fake_run_until)
     assert kit.gpucheck.gpu_check(["--skip", "notebooks", "--budget", "600"]) == 1
     report = (tmp_path / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt").read_text()
@@ -107,9 +109,10 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     assert "2.03 x the 33,554,432 B cuBLAS workspace (as expected)" in report
     assert "exactness off: convnet + adam on cuda:0: 2000 B against 1000 B" in report
     assert "mlp + sgd" not in report
-    assert "predictions: 1 of 3 rows of nvidia-h100-80gb-hbm3.csv predicted within 0.5% of the measured peak and " \
-        "state (bench/out/recorded_runs.csv)" in report
-    assert "prediction off: deep mlp, checkpointing: peak -5.40%, state +0.20%" in report
+    assert "predictions: 1 of 4 rows of nvidia-h100-80gb-hbm3.csv predicted within 0.5% of the measured peak, " \
+        "state and reserved memory (bench/out/recorded_runs.csv)" in report
+    assert "prediction off: deep mlp, checkpointing: peak -5.40%, state +0.20%, reserved -0.10%" in report
+    assert "prediction off: deep mlp, AMP bf16: peak +0.00%, state +0.00%, reserved -1.50%" in report
     assert "prediction off: tiny gpt, AMP fp16: not predicted: RuntimeError: no" in report
     assert "a-older.csv" not in report and "deep mlp, AMP fp16" not in report
     # The CUDA tests first, then the others without them, each with xdist.
@@ -141,12 +144,13 @@ def test_run_until_stops_the_whole_process_group_at_the_deadline(tmp_path):
               f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
               f"open({str(child)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
     began = time.monotonic()
-    assert kit.gpucheck.run_until([sys.executable, "-c", script], time.monotonic() + 1.5, tmp_path / "log", grace=1) is None
+    run_until = kit.gpucheck.run_until
+    assert run_until([sys.executable, "-c", script], time.monotonic() + 1.5, tmp_path / "log", grace=1) is None
     assert time.monotonic() - began < 30           # the child would take 60 s
     pid = int(child.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    assert kit.gpucheck.run_until([sys.executable, "-c", "raise SystemExit(3)"], time.monotonic() + 30, tmp_path / "log") == 3
+    assert run_until([sys.executable, "-c", "raise SystemExit(3)"], time.monotonic() + 30, tmp_path / "log") == 3
 
 
 FAKE_RUNNER = """
@@ -222,8 +226,9 @@ def test_a_notebook_that_cannot_start_in_time_is_reported_not_run(tmp_path, monk
     kit = load_kit()
     monkeypatch.setattr(kit.venv, "ROOT", tmp_path)
     nb = notebook(tmp_path / "05_late.ipynb", "x = 1")
-    results = kit.gpucheck.run_notebooks([nb], 1, time.monotonic() + kit.gpucheck.NOTEBOOK_MIN_S - 1, tmp_path / "card", tmp_path,
-                                "card", "2.11")
+    check = kit.gpucheck
+    results = check.run_notebooks([nb], 1, time.monotonic() + check.NOTEBOOK_MIN_S - 1, tmp_path / "card", tmp_path,
+                                 "card", "2.11")
     assert results == [{"notebook": "05_late", "cut": "not started: no time left", "failed": [], "ran": 0}]
 
 
@@ -259,7 +264,8 @@ def test_the_archive_holds_what_was_written_and_stays_under_its_limit(tmp_path, 
 
 def test_each_carried_wheel_is_pinned_in_one_place():
     kit = load_kit()
-    lock = {kit.wheels.canonical(line.split("==")[0].strip()) for line in (ROOT / "constraints.txt").read_text().splitlines()
+    lock = {kit.wheels.canonical(line.split("==")[0].strip())
+            for line in (ROOT / "constraints.txt").read_text().splitlines()
             if "==" in line and not line.lstrip().startswith("#")}
     for line in (ROOT / "gpu-wheels.txt").read_text().splitlines():
         req = line.split("#", 1)[0].strip()

@@ -51,3 +51,37 @@ def test_a_recorded_h100_row_is_predicted_to_the_byte(replay, technique):
     assert got["card"] == "h100" and got["predicted_workspace_bytes"] > 0
     assert (got["predicted_peak_bytes"], got["predicted_state_bytes"]) == (int(row["peak_bytes"]),
                                                                            int(row["state_bytes"]))
+    # reserved: whole segments (2 MiB multiples: CUDACachingAllocator.cpp's kSmallBuffer, kRoundLarge), at least what
+    # the step allocated with the workspaces
+    reserved = got["predicted_reserved_bytes"]
+    assert reserved % 2**21 == 0 and reserved >= got["predicted_peak_bytes"] + got["predicted_workspace_bytes"]
+
+
+def test_the_replay_writes_its_predictions_beside_the_measurements_of_this_machines_run_only(replay, tmp_path):
+    """Device: none. ``--record`` (kit.py gpu-check runs it on the GPU that recorded the run) writes each replayed
+    row's predicted figures into that run's CSV, beside its measured ones, with what predicted them; a row not
+    replayed gets empty cells, every measured cell stays as it was, and another card's run is left alone."""
+    import csv
+    import shutil
+
+    names = ("nvidia-h100-80gb-hbm3.csv", "nvidia-h200.csv")
+    for name in names:
+        shutil.copy(ROOT / "data" / "runs" / name, tmp_path / name)
+    before = {name: (tmp_path / name).read_text() for name in names}
+    figures = {"predicted_peak_bytes": 5, "predicted_state_bytes": 3, "predicted_reserved_bytes": 2**21,
+               "predicted_workspace_bytes": 1}
+    rows = [{"run": names[0], "model": "deep mlp 4096x8", "technique": "baseline", "status": "ok", **figures},
+            {"run": names[0], "model": "tinygpt 12x768", "technique": "AMP fp16", "status": "not predicted: x"},
+            {"run": names[1], "model": "deep mlp 4096x8", "technique": "baseline", "status": "ok", **figures}]
+    h100 = {"device_name": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "cores": 2}
+    assert replay.write_back(rows, tmp_path, info=h100) == [names[0]]
+    assert (tmp_path / names[1]).read_text() == before[names[1]]
+    with open(tmp_path / names[0]) as f:
+        written = list(csv.DictReader(f))
+    with open(ROOT / "data" / "runs" / names[0]) as f:
+        measured = list(csv.DictReader(f))
+    assert [{k: r[k] for k in m} for r, m in zip(written, measured)] == measured and len(written) == len(measured)
+    for r in written:
+        mine = (r["model"], r["technique"]) == ("deep mlp 4096x8", "baseline")
+        assert [r[k] for k in figures] == ([str(v) for v in figures.values()] if mine else [""] * 4)
+        assert r["predicted_with"].startswith("gpukit ") == mine

@@ -130,7 +130,9 @@ def median_step_seconds(step: Callable[[], None], device: torch.device, steps: i
 def measure_technique(setup: Setup, technique: Technique, device: str | torch.device | None = None, *,
                       steps: int = 5, max_seconds: float = 2.0) -> dict:
     """One row of the matrix: peak bytes of a steady-state step (the model's state included), step time
-    and samples per second. ``steps=0`` measures memory only. On ``'meta'`` (a simulated GPU) the whole
+    and samples per second; on a GPU also the caching allocator's reserved bytes by the end of that step
+    (``reserved_bytes``: from an emptied cache, cuBLAS's workspaces of the warm-up included, as a prediction
+    places them). ``steps=0`` measures memory only. On ``'meta'`` (a simulated GPU) the whole
     run is on fake tensors: memory is counted, nothing is computed, and there is no time.
 
     A technique the device cannot run gives a row whose ``status`` says why (and no figures).
@@ -139,12 +141,15 @@ def measure_technique(setup: Setup, technique: Technique, device: str | torch.de
     simulated = dev.type == "meta"
     row = {"model": setup.name, "technique": technique.name, "batch": setup.batch,
            "micro_batch": setup.batch // technique.accumulate, "measured_on": device_name(dev),
-           "peak_bytes": None, "state_bytes": None, "step_ms": None, "samples_per_s": None, "timed_steps": 0,
+           "peak_bytes": None, "state_bytes": None, "reserved_bytes": None, "step_ms": None, "samples_per_s": None,
+           "timed_steps": 0,
            "status": unsupported(technique, dev)}
     if row["status"]:
         return row
     setup.make_batch(1)  # the first call loads the data set: not inside the measured block, nor fake
     warm_up(dev)  # on a GPU: cuBLAS's one-time workspaces are not the first technique's memory
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # what earlier rows left cached is not this row's reserved memory
     # The collector keeps still throughout (no garbage of before is freed inside a measured block); what the
     # run leaves is all young, and goes before the next technique's run.
     with gc_paused(full=False) as collect_young:
@@ -169,6 +174,7 @@ def _measure(setup, technique, dev, row, simulated, steps, max_seconds) -> dict:
     except (RuntimeError, NotImplementedError) as err:
         return {**row, "status": f"failed on {dev.type}: {str(err).splitlines()[0][:120]}"}
     row.update(peak_bytes=state.delta + step.peak, state_bytes=state.delta,
+               reserved_bytes=step.reserved_peak if dev.type == "cuda" else None,
                status="simulated GPU (meta): memory only, no time" if simulated else "ok")
     return row
 
