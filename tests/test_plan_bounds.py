@@ -496,10 +496,12 @@ def test_a_candidate_whose_state_alone_is_over_the_budget_costs_no_prediction():
     # weights alone on the card, their gradients and moments on the host)
     state = 4 * 4 * (512 * 2048 + 2048 + 2048 * 10 + 10)
     for limit, allowance in ((state // 10, 0), (10**8, 2 * 10**8)):
-        search = search_for(case, "cuda", limit=limit, allowance=allowance)
+        search = search_for(case, "cuda", limit=limit, allowance=allowance, offload=True)
         rows = search.run()
         assert search.predictions == 0 and rows and all(r.fits is False and r.bound > limit for r in rows)
         assert all(r.verdict.startswith("pruned: model state alone need") for r in rows)
+        # nor a forward to count what offload would copy: its state, read for the same optimizer, was over already
+        assert any(r.candidate.offload for r in rows) and not search.copies
     # After a floor was predicted (its figures hold no "before"), the bound is the floor's peak.
     search = search_for(case, "cuda", limit=state // 10, precisions=("float32",), accumulate=[1], checkpointing=False,
                         implementations=False)

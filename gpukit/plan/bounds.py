@@ -94,11 +94,16 @@ class Bounds:
         unit = self.facts.largest_block_bytes // (2 if c.precision == "half" else 1)
         return -(p + g + o) + math.ceil((p + g + o) / n) + 2 * unit + unit  # two gathered units and one's grads
 
-    def state_bound(self, c: Candidate) -> int:
+    def state_bound(self, c: Candidate, known: bool = False) -> int | None:
         """What the candidate's step starts with (parameters, gradients, optimizer state: ``state_info``, no
         prediction), or its floor's peak where that was predicted, with its sharding formula and the context
-        allowance: ``lower_bound`` without predicting a floor."""
+        allowance: ``lower_bound`` without predicting a floor. ``known``: only where that state was read already
+        (else None)."""
         key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
+        if known:
+            same = (self.same_state.get(c.optimizer, c.optimizer), *key[1:])
+            if key not in self.floors and key not in self.states and same not in self.states:
+                return None
         state = self.floors[key]["peak"] if key in self.floors else self.state_info(c)["before"]
         return state + self.state_change(c) + self.allowance
 

@@ -317,6 +317,10 @@ class PlanSearch(Bounds, Ranking):
             if bound is not None and bound > self.limit:
                 self.pruned(c, f"its forward and backward alone need {format_bytes(bound)}", bound=bound)
                 continue
+            state = self.state_bound(c, known=True)  # (where read already: before its copies are counted)
+            if state is not None and state > self.limit:
+                self.pruned(c, f"model state alone need {format_bytes(state)}", bound=state)
+                continue
             if copies != "exact":  # offload: its copies counted (a forward under fake tensors), queued at its cost
                 low = self.copies_at_least(c) if copies == "unknown" else None
                 if low is not None:  # queued at a cost it has at least, counted if it comes back before a recipe
