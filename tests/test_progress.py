@@ -42,25 +42,18 @@ def test_in_a_terminal_the_line_shows_after_the_delay_is_rewritten_in_place_and_
     assert lines[2] == "plan(): 96 candidates decided, 26 predictions, 59 s".ljust(len(lines[1].rstrip())) + "\n"
 
 
-def test_a_call_stopped_says_so_on_its_line_and_a_quick_one_leaves_nothing():
-    clock, out = Clock(), io.StringIO()
-    with pytest.raises(KeyboardInterrupt):
-        with Progress("plan()", total=5, delay=0.0, clock=clock, stream=out) as p:
+@pytest.mark.parametrize("error, total, delay, last", [
+    (KeyboardInterrupt, 5, 0.0, "plan(): 2 of 5, 0 s: prefix (interrupted)\n"),
+    (ValueError, None, 0.0, "plan(): 2, 0 s: prefix (stopped by ValueError)\n"),
+    (ValueError, None, 1.0, ""),  # stopped before its delay: nothing was shown, nothing is
+])
+def test_a_call_stopped_says_so_on_its_line_and_a_quick_one_leaves_nothing(error, total, delay, last):
+    out = io.StringIO()
+    with pytest.raises(error):
+        with Progress("plan()", total=total, delay=delay, clock=Clock(), stream=out) as p:
             p.update(2, "prefix")
-            raise KeyboardInterrupt
-    assert out.getvalue().endswith("plan(): 2 of 5, 0 s: prefix (interrupted)\n")
-    out = io.StringIO()
-    with pytest.raises(ValueError):
-        with Progress("plan()", delay=0.0, clock=clock, stream=out) as p:
-            p.update(1)
-            raise ValueError("no")
-    assert out.getvalue().endswith("plan(): 1, 0 s (stopped by ValueError)\n")
-    out = io.StringIO()
-    with pytest.raises(ValueError):
-        with Progress("plan()", delay=1.0, clock=clock, stream=out) as p:
-            p.update(1)
-            raise ValueError("no")
-    assert out.getvalue() == ""
+            raise error()
+    assert out.getvalue().endswith(last) and (last or out.getvalue() == "")
 
 
 def test_in_jupyter_one_output_is_updated_in_place(monkeypatch):
