@@ -112,11 +112,11 @@ class Bounds:
         predicting (what the step starts with, and twice the gradients for the optimizer step's temporaries, would be
         over the budget: an optimizer steps only what has a gradient, so a frozen base, LoRA's or QLoRA's, adds
         none), else what the floor's step starts with."""
-        info, extra = self.state_info(c), self.state_change(c) + self.allowance
+        state = self.state_bound(c)  # (the floor's peak where it was predicted)
         key = (c.optimizer, WEIGHTS[c.precision], c.lora, c.qlora)
-        if key in self.floors or (info["before"] + extra <= self.limit < info["before"] + 2 * info["grads"] + extra):
-            return self.floor(c)["peak"] + extra
-        return info["before"] + extra
+        if key not in self.floors and state <= self.limit < state + 2 * self.state_info(c)["grads"]:
+            return self.floor(c)["peak"] + self.state_change(c) + self.allowance
+        return state
 
     def held(self, c: Candidate) -> int:
         """What the predicted step's batch leaves out of the whole batch held (accumulation's 2 micro-batches)."""
