@@ -22,7 +22,8 @@ host memory (a dataset loaded as a tensor) would count against it. Name it with
 ``host=``: its storages are left out of the cap while they live, and what the
 block copies out of them (``data[idx].clone()``, the stand-in for ``.to("cuda")``) is
 counted as device memory. A budget that is already exceeded when it opens warns
-(``BudgetWarning``) with the largest storages, before the first allocation fails.
+(``BudgetWarning``) before the first allocation fails: with the largest storages, or where reserved
+memory is capped (CUDA, ``reserved=True``) with what stays reserved after ``empty_cache()``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class budget:
 
     Warns:
         BudgetWarning: when the memory in use as the block opens (less ``host``) already exceeds the budget,
-            with the largest storages' sizes.
+            with the largest storages' sizes; where reserved memory is capped (CUDA, ``reserved=True``), when
+            what stays reserved after ``empty_cache()`` does, with its segments and their live bytes.
 
     Raises:
         ValueError: for a size or device that is not one; ``host`` with ``reserved=True``, or holding no tensor.
@@ -158,6 +160,9 @@ class budget:
                 sim.allocator.empty_cache()  # as on CUDA: the cap applies to what the block needs
                 sim.allocator.allowed_memory_maximum = min(self.limit, previous or self.limit)
                 self._sim, self._previous = sim.allocator, previous
+                stats = sim.allocator.memory_stats()
+                self._warn_if_reserved_over(stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
+                                            stats["segment.all.current"])
             elif self.device.type == "cpu":
                 self._tally = LEDGER.start()
                 host = dict(self._host)
@@ -173,6 +178,10 @@ class budget:
                 torch.cuda.empty_cache()
                 torch.cuda.set_per_process_memory_fraction(min(previous, self.limit / total), index)
                 self._previous = previous
+                stats = torch.cuda.memory_stats(index)
+                self._warn_if_reserved_over(stats.get("reserved_bytes.all.current", 0),
+                                            stats.get("allocated_bytes.all.current", 0),
+                                            stats.get("segment.all.current", 0))
             INTERRUPTS.deliver()  # one that came while entering: take the cap off, then raise it
         except BaseException:
             try:
@@ -213,6 +222,21 @@ class budget:
             f"counts every CPU tensor of the process; name what a GPU run would keep in host memory (a dataset) "
             f"with budget(..., host=data) (%%gpumem: --host data) to leave it out.", BudgetWarning, stacklevel=user_stacklevel())
 
+    def _warn_if_reserved_over(self, reserved: int, allocated: int, segments: int) -> None:
+        """Reserved memory is capped (CUDA, or ``reserved=True``): what stays reserved after ``empty_cache()`` is
+        every segment that holds a live block, whole (c10/cuda/CUDACachingAllocator.cpp releases only segments
+        whose blocks are all free)."""
+        if reserved <= self.limit:
+            return
+        warnings.warn(
+            f"{self!r} is already exceeded as it opens: {format_bytes(reserved)} stays reserved after "
+            f"empty_cache(), in {segments} segment{'s' if segments != 1 else ''} holding {format_bytes(allocated)} "
+            f"of live blocks, so every allocation that needs a new segment will fail. The cap counts reserved "
+            f"memory, and a segment is released only when all its blocks are free: one small live block keeps a "
+            f"large segment whole. A block made while a large step's memory was cached is often cut from it (a "
+            f"cuBLAS workspace, kept for the process's life, where a thread's first matmul ran inside that step: "
+            f"call gpukit.warm_up() before large steps).", BudgetWarning, stacklevel=user_stacklevel())
+
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             self._undo()
@@ -221,4 +245,5 @@ class budget:
         return False
 
 
-INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo, budget._warn_if_already_over)
+INTERRUPTS.protect(budget.__enter__, budget.__exit__, budget._undo, budget._warn_if_already_over,
+                   budget._warn_if_reserved_over)

@@ -62,6 +62,44 @@ def test_budget_reserved_on_cpu_raises_cudas_oom_and_leaves_the_counter_consiste
         reset_cpu_device()
 
 
+def test_a_reserved_budget_says_so_when_a_live_block_keeps_a_segment_over_it_as_it_opens():
+    """Device: cpu (the simulated allocator behind the counter: the reserved memory CUDA's budget caps). A 64 MiB
+    tensor freed stays cached, and a 2 MiB one made next is cut from its block: empty_cache() cannot release that
+    segment (c10/cuda/CUDACachingAllocator.cpp releases only segments whose blocks are all free), so a budget
+    under it opens already exceeded and warns with the figures. Made first, on an empty cache, the small tensor
+    takes a segment of its own, the large one's goes back, and the same budget opens quietly."""
+    import warnings
+
+    import gpukit
+    from gpukit.allocator import reset_cpu_device
+
+    try:
+        for small_first in (False, True):
+            dev = reset_cpu_device("16 GiB")
+            with gpukit.measure("cpu", record=False):  # the counter, and the allocator behind it, follow
+                base = dev.allocator.memory_reserved()  # what the process's other CPU tensors hold
+                if small_first:
+                    small = torch.empty(2 * MB, dtype=torch.uint8, device="cpu")
+                big = torch.empty(64 * MB, dtype=torch.uint8, device="cpu")
+                del big
+                if not small_first:
+                    small = torch.empty(2 * MB, dtype=torch.uint8, device="cpu")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with gpukit.budget(base + 32 * MB, device="cpu", reserved=True):
+                        reserved = dev.allocator.memory_reserved()
+                del small
+            messages = [str(w.message) for w in caught if w.category is gpukit.BudgetWarning]
+            if small_first:
+                assert messages == [] and reserved == base + 20 * MB  # 1-10 MiB requests take 20 MiB segments
+            else:
+                assert reserved == base + 64 * MB and len(messages) == 1
+                assert f"{gpukit.format_bytes(base + 64 * MB)} stays reserved after empty_cache()" in messages[0]
+                assert "gpukit.warm_up()" in messages[0]
+    finally:
+        reset_cpu_device()
+
+
 def test_budget_reserved_is_cpu_only(monkeypatch):
     """Device: cuda, stood in (the device is resolved as a GPU machine would; nothing runs on it)."""
     import sys

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import gpukit
+from gpukit import cudarules
 from gpukit.allocator import CONTEXT_ALLOWANCE
 from gpukit.estimate import predict
 from gpukit.lessons.models import MLP, ConvNet
@@ -50,7 +51,7 @@ def gpu_settings(name, monkeypatch, card="t4"):
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
         m.setattr(torch.cuda, "get_device_name", lambda *a: device_name)  # measured_on(cuda) names the card
-        m.setattr(gpukit, "warm_up", lambda *a, **k: None)
+        m.setattr(gpukit, "warm_up", lambda *a, **k: scope.setdefault("warmed_up", []).append(a or k))
         m.setattr(torch.cuda, "get_device_properties",
                   lambda *a: SimpleNamespace(name=device_name, total_memory=total_memory, major=major, minor=minor))
         exec(cell, scope)
@@ -223,6 +224,42 @@ def test_notebook_08s_card_step_runs_out_of_memory_until_its_batch_is_quartered(
                              breakdown=False) for b in (s["CARD_BATCH"] // 2, s["CARD_BATCH"] // 4))
     assert half.peak + CONTEXT_ALLOWANCE > memory
     assert quarter.reserved_peak + CONTEXT_ALLOWANCE <= HEADROOM * memory, quarter.reserved_peak / MiB
+
+
+def test_notebook_08_warms_up_first_or_its_card_step_keeps_a_segment_its_budget_then_counts(monkeypatch):
+    """Device: cpu (fake tensors on a simulated H100, one block standing for the process). On an H200 the
+    notebook's budgeted real steps (1 GB, a cap on reserved memory) all failed after its card step: backward's
+    first matrix product took cuBLAS's workspace (32 MiB on sm90, kept for the process's life) from that step's
+    cached blocks, and empty_cache() cannot release a segment with a live block (c10/cuda/CUDACachingAllocator.cpp).
+    The same order here pins a segment of GiBs; with a first forward and backward before it (what warm_up runs),
+    only the workspaces stay. The settings cell warms up."""
+    s = gpu_settings("08_oom_and_batch_size", monkeypatch, "h100")
+    assert s["warmed_up"] == [(s["DEVICE"],)]
+    limit = gpukit.parse_bytes(s["BUDGET"])
+    cuda = gpukit.SimulatedCuda("h100")
+
+    def step(batch):
+        model = MLP(n_in=64, width=s["CARD_WIDTH"], depth=s["CARD_DEPTH"])
+        nn.functional.cross_entropy(model(torch.randn(batch, 64)), torch.randint(10, (batch,))).backward()
+
+    left = {}
+    try:
+        for warm in (False, True):
+            cuda.empty_cache()  # each block starts from an empty cache, as a new process does
+            with gpukit.on_card(cuda):
+                if warm:
+                    step(4)
+                step(s["CARD_BATCH"] // 4)  # the batch the notebook's halving ends at, on an 80 GB card
+                cuda.empty_cache()
+                stats = cuda.memory_stats()
+                left[warm] = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"]
+    finally:
+        cuda.close()
+    # Two cuBLAS workspaces (forward's thread, backward's) and one cuBLASLt (Linear's forward, addmm with a bias):
+    # 68,157,440 B, as an H200's warm-up left on 2026-11-28.
+    workspaces = 2 * cudarules.cublas_workspace_bytes() + cudarules.cublaslt_workspace_bytes()
+    assert left[False][1] == left[True][1] == workspaces == 68_157_440
+    assert left[False][0] > 8 * limit and left[True][0] < limit / 8, left
 
 
 def test_the_check_refuses_a_step_too_big_for_a_t4(monkeypatch):
