@@ -56,7 +56,10 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
   picks at run time (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``benchmark`` or heuristics, limited by
   the free memory), and the RNN kernels' workspace and reserve replace the CPU kernel's
   (aten/src/ATen/native/cudnn/RNN.cpp). Convolutions and recurrent layers are therefore named in
-  ``unmodelled`` and the prediction is a lower bound.
+  ``unmodelled`` and the prediction is a lower bound. The workspaces come from the caching allocator
+  (``run_conv_plan``) and stay cached, so reserved memory is the figure most under: on an H200 the technique
+  matrix's convnet 128 reserved 21-45% more than predicted, its six workspaces a step 130-393 MiB each
+  (data/runs/nvidia-h200-cudnn-workspaces.txt).
 
 * Autocast: the step's ``torch.autocast`` runs on the fake CPU tensors as CPU autocast (``torch.autocast("cuda")``
   too, with its dtype: ``gpukit.amp``, which also runs the step's GradScaler as the card does), with CUDA's op
@@ -103,9 +106,12 @@ _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "_ad
 _SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 _CUDNN_WORKSPACE = {  # CPU op of the step -> what cuDNN adds on CUDA, decided at run time
     "convolution": "on CUDA cuDNN's convolution takes the workspace of the algorithm it picks at run time "
-                   "(Conv_v8.cpp); not predictable from source",
+                   "(Conv_v8.cpp: run_conv_plan, from the caching allocator, so it stays reserved); not "
+                   "predictable from source: the peak and, most, the reserved figure are lower bounds",
     "convolution_backward": "on CUDA cuDNN's convolution backward takes the workspaces of the algorithms it "
-                            "picks at run time (Conv_v8.cpp); not predictable from source",
+                            "picks at run time (Conv_v8.cpp: run_conv_plan, from the caching allocator, so they "
+                            "stay reserved); not predictable from source: the peak and, most, the reserved "
+                            "figure are lower bounds",
     "mkldnn_rnn_layer": "on CUDA the recurrent layer runs cuDNN's kernel (RNN.cpp), whose workspace and "
                         "reserve differ from this CPU kernel's; not modelled",
 }
