@@ -14,7 +14,8 @@ the same counter that measures real runs on CPU (gpukit.counter), so a predictio
 and a measurement agree to the byte where the code paths agree. Fake kernels that are
 not the real ones' own shape logic are checked against the real CPU kernels, and a step
 that would fail raises its real error (gpukit.fakecheck); ``device="cuda"`` applies
-CUDA's code paths (gpukit.cudarules).
+CUDA's code paths (gpukit.cudarules), and its figures count blocks as torch.cuda does, from
+the simulated caching allocator that follows the step (gpukit.allocator).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class Prediction:
     ``peak`` is absolute: the model states that exist before the step (parameters,
     gradients, optimizer state, the batch) plus the step's own peak above them.
     Bytes are rounded up to 512 per tensor like the CUDA allocator's; the
-    ``*_unrounded`` fields are the sizes as requested.
+    ``*_unrounded`` fields are the sizes as requested. For CUDA (``device="cuda"``, ``card=``)
+    ``peak``, ``before_step`` and ``step_peak`` are ``torch.cuda.memory_allocated()``'s: each block
+    counted whole, as the simulated caching allocator that follows the step hands them out (a large
+    block is not split where 1 MiB or less would remain: ``whole_blocks`` at the peak).
     """
 
     peak: int
@@ -77,6 +81,9 @@ class Prediction:
     unverified_ops: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"           # whose rules: "cuda" follows PyTorch 2.11's CUDA code paths (gpukit.cudarules)
     workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
+    # CUDA: what the caching allocator counts at the peak beyond the tensors' 512-byte sizes, included in peak (a
+    # large block is handed out whole where 1 MiB or less would remain: torch.cuda.memory_allocated() counts it)
+    whole_blocks: int = 0
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
     card: str | None = None       # CUDA: the card whose kernels were chosen (gpukit.cards key); None: Hopper
     # Parts of the step not run as the card runs them (an autocast torch disabled before the prediction...), each
@@ -130,6 +137,8 @@ class Prediction:
             gpu = "Hopper" if self.card is None else self.card
             rows.insert(0, ("rules", f"CUDA code paths of PyTorch {TORCH_RULES_VERSION} ({gpu}), on fake CPU tensors"))
             rows.append(("  cuBLAS workspaces", format_bytes(self.workspaces)))
+            if self.whole_blocks:
+                rows.append(("  blocks handed out whole", format_bytes(self.whole_blocks)))
             rows += [("  attention kernel", f"{k} x{n}") for k, n in self.attention_kernels.items()]
         rows += [(f"  corrected {op}", f"+{format_bytes(n)} per call (fake kernel checked against the real one)")
                  for op, n in self.corrected_ops.items()]
@@ -284,6 +293,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         collect_young()  # what the warm-up left is freed before the step, not inside it
         tally = FAKE_LEDGER.start()
         watch = simulated.watch()
+        blocks = _BlocksAsCudaCounts(simulated) if kind == "cuda" else None
         try:
             roles.start(plain_tensors_only=True)
             try:
@@ -308,6 +318,10 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
                 "the optimizer step ran without capturable, which runs only with its tensors on a GPU (torch asserts "
                 "it), its step counters kept on the GPU as capturable keeps them: the scalar tensors capturable's step "
                 "makes on the GPU besides (bias corrections, torch/optim/adam.py) are not counted")
+    step_peak, whole_blocks = tally.peak, 0
+    if blocks is not None and blocks.known():  # torch.cuda's figures count each block whole
+        whole_blocks, step_peak = blocks.before_slack, blocks.step_peak()
+        before += whole_blocks
     before += workspaces
     before_unrounded += workspaces
     if workspaces and reserved_peak is not None:  # each workspace is a cudaMalloc'd block of its own
@@ -315,13 +329,35 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
 
         reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
     return Prediction(
-        peak=before + tally.peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
-        before_step=before, step_peak=tally.peak, step_peak_unrounded=tally.peak_unrounded,
+        peak=before + step_peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
+        before_step=before, step_peak=step_peak, step_peak_unrounded=tally.peak_unrounded,
+        whole_blocks=whole_blocks + step_peak - tally.peak,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
         seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
         card=card.key if card is not None else None, unfollowed=dict(amp.unfollowed))
+
+
+class _BlocksAsCudaCounts:
+    """The step's figures as ``torch.cuda.memory_allocated()`` counts them: each block whole. A large block is
+    split only when more than 1 MiB would remain (c10/cuda/CUDACachingAllocator.cpp ``should_split``), so a tensor
+    may hold up to 1 MiB more than its size, and ``allocated_bytes`` adds ``block->size``. Read from the simulated
+    allocator that follows the prediction (``follow(..., fresh=True)``), from the step's start (``before_slack``: the
+    blocks then, over the storages' 512-byte sizes) to its peak."""
+
+    def __init__(self, simulated) -> None:
+        self.simulated, self.alloc = simulated, simulated.allocator  # up to date: every event applied
+        sizes, placed = FAKE_LEDGER.sizes, simulated.addr
+        self.start = self.alloc.memory_allocated()
+        self.before_slack = self.start - sum(round_up(sizes[k]) for k in placed if k in sizes)
+        self.alloc.reset_peak_stats()  # the peak from the step's start (the watch cells follow reserved memory)
+
+    def known(self) -> bool:
+        return not self.simulated.failed
+
+    def step_peak(self) -> int:
+        return self.simulated.allocator.max_memory_allocated() - self.start
 
 
 @contextlib.contextmanager

@@ -85,3 +85,19 @@ def test_the_replay_writes_its_predictions_beside_the_measurements_of_this_machi
         mine = (r["model"], r["technique"]) == ("deep mlp 4096x8", "baseline")
         assert [r[k] for k in figures] == ([str(v) for v in figures.values()] if mine else [""] * 4)
         assert r["predicted_with"].startswith("gpukit ") == mine
+
+
+def test_the_h200s_tiny_gpt_row_is_predicted_to_the_byte_as_torch_cuda_counts_blocks(replay):
+    """Device: cpu, predicting for the NVIDIA H200 that recorded data/runs/nvidia-h200.csv (torch 2.11.0+cu130, the
+    cache emptied before each row). The tiny GPT's parameters and AdamW's moments are tensors of 2.25 to 9 MiB:
+    the caching allocator splits a large block only where more than 1 MiB would remain (CUDACachingAllocator.cpp
+    ``should_split``), and ``torch.cuda.memory_allocated()`` counts the block whole. Its baseline step, measured at
+    3,551,142,912 B with 1,385,757,696 B between steps, was predicted 51.7 MB and 23.6 MB under from the tensors'
+    sizes alone; the simulated allocator's blocks give both to the byte."""
+    row = next(r for r in replay.recorded_rows() if r["run"] == "nvidia-h200.csv"
+               and r["model"] == "tinygpt 12x768" and r["technique"] == "baseline")
+    got = replay.predict_row(row)
+    assert got["card"] == "h200"
+    assert (got["predicted_peak_bytes"], got["predicted_state_bytes"]) == (int(row["peak_bytes"]),
+                                                                           int(row["state_bytes"]))
+    assert (int(row["peak_bytes"]), int(row["state_bytes"])) == (3_551_142_912, 1_385_757_696)
