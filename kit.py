@@ -6,7 +6,7 @@
     python3 kit.py bench    create/update .venv, then run the benchmarks in bench/
     python3 kit.py setup    only create/update .venv
     python3 kit.py outputs  run the notebooks on the CPU and store them with their outputs (all, or those named)
-    python3 kit.py gpu-check   on a GPU machine, within a time budget (--budget, 540 s): the exactness benchmark,
+    python3 kit.py gpu-check   on a GPU machine, within a time budget (--budget, 470 s): the exactness benchmark,
                                the technique matrix recorded in data/runs/, every notebook run on the card and
                                stored in data/runs/<gpu>/, the tests on CUDA, a report of what differed, and with
                                --out DIR all of it packed into DIR/gpu-check.tar.gz
