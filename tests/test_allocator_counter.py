@@ -67,7 +67,8 @@ def test_a_reserved_budget_says_so_when_a_live_block_keeps_a_segment_over_it_as_
     tensor freed stays cached, and a 2 MiB one made next is cut from its block: empty_cache() cannot release that
     segment (c10/cuda/CUDACachingAllocator.cpp releases only segments whose blocks are all free), so a budget
     under it opens already exceeded and warns with the figures. Made first, on an empty cache, the small tensor
-    takes a segment of its own, the large one's goes back, and the same budget opens quietly."""
+    takes a segment of its own, the large one's goes back, and the same budget opens quietly. The warning made an
+    error raises as the block opens and leaves no cap behind."""
     import warnings
 
     import gpukit
@@ -88,6 +89,14 @@ def test_a_reserved_budget_says_so_when_a_live_block_keeps_a_segment_over_it_as_
                     warnings.simplefilter("always")
                     with gpukit.budget(base + 32 * MB, device="cpu", reserved=True):
                         reserved = dev.allocator.memory_reserved()
+                with warnings.catch_warnings():  # the warning as an error: raised as the block opens, no cap left
+                    warnings.simplefilter("error", gpukit.BudgetWarning)
+                    try:
+                        with gpukit.budget(base + 32 * MB, device="cpu", reserved=True):
+                            entered = True
+                    except gpukit.BudgetWarning:
+                        entered = False
+                assert entered is small_first and dev.allocator.allowed_memory_maximum is None
                 del small
             messages = [str(w.message) for w in caught if w.category is gpukit.BudgetWarning]
             if small_first:
