@@ -81,8 +81,8 @@ class Prediction:
     unverified_ops: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"           # whose rules: "cuda" follows PyTorch 2.11's CUDA code paths (gpukit.cudarules)
     workspaces: int = 0           # cuBLAS/cuBLASLt workspaces (CUDA), included in before_step and peak
-    # CUDA: what the caching allocator counts at the peak beyond the tensors' 512-byte sizes, included in peak (a
-    # large block is handed out whole where 1 MiB or less would remain: torch.cuda.memory_allocated() counts it)
+    # CUDA: how much higher the peak is, its blocks counted whole as torch.cuda.memory_allocated() counts them (a large
+    # block is handed out whole where 1 MiB or less would remain), than the tensors' 512-byte sizes make it
     whole_blocks: int = 0
     attention_kernels: dict[str, int] = field(default_factory=dict)  # CUDA: SDPA kernel -> calls
     card: str | None = None       # CUDA: the card whose kernels were chosen (gpukit.cards key); None: Hopper
