@@ -74,6 +74,38 @@ def test_a_prediction_without_its_breakdown_has_the_same_bytes_on_cpu_and_cuda()
         predict(*make, breakdown="no")
 
 
+class _TwoVectors(torch.nn.Module):
+    """Two parameters of 9.5 MiB, a large-pool request between 1 and 10 MiB each."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return (self.a * x).sum() + (self.b * x).sum()
+
+
+def test_for_cuda_a_block_that_would_leave_1_mib_or_less_is_counted_whole_as_torch_cuda_counts_it():
+    """Device: cpu (fake tensors), CPU rules and CUDA's. A 1-10 MiB request gets a 20 MiB segment
+    (CUDACachingAllocator.cpp kLargeBuffer); the second 9.5 MiB tensor in it would leave 1 MiB, which is not split
+    off (should_split: more than kSmallSize must remain), so torch.cuda.memory_allocated() counts 10.5 MiB. The two
+    parameters and their two gradients before the step: 2 MiB over the tensors, exactly; the CPU's figure is the
+    tensors'."""
+    n, mib = int(9.5 * 2**20) // 4, 2**20
+
+    def step(model, optimizer, x):
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    make = (lambda: _TwoVectors(n), lambda q: torch.optim.SGD(q, lr=0.1), lambda: torch.ones(n), step)
+    cpu, cuda = predict(*make, device="cpu", breakdown=False), predict(*make, device="cuda", breakdown=False)
+    tensors = 5 * int(9.5 * mib)  # the parameters, their gradients and the batch
+    assert (cpu.before_step, cpu.whole_blocks) == (tensors, 0)
+    assert cuda.before_step - cuda.workspaces == tensors + 2 * mib
+    assert cuda.whole_blocks >= 2 * mib and cuda.peak - cuda.whole_blocks - cuda.workspaces == cpu.peak
+
+
 def test_a_billion_parameter_model_is_predicted_without_allocating_it():
     # four wide layers rather than sixteen: as many parameters, a quarter of the ops to run under fake tensors
     cfg = GPTConfig(vocab_size=32000, block_size=512, n_layer=4, n_head=32, n_embd=4096)
