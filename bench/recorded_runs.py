@@ -158,8 +158,11 @@ def off(rows: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[str]:
     missed = off(rows)
+    allocated = [r for r in rows if r.get("status") == "ok" and abs(r["peak_error_pct"]) <= 100 * TOLERANCE
+                 and abs(r["state_error_pct"]) <= 100 * TOLERANCE]
     lines = [f"recorded GPU runs: {len(rows) - len(missed)} of {len(rows)} rows predicted within "
-             f"{100 * TOLERANCE:g}% (peak and state)"]
+             f"{100 * TOLERANCE:g}% (peak and state, and reserved memory where the run has it); "
+             f"{len(allocated)} on peak and state alone"]
     for run in dict.fromkeys(r["run"] for r in missed):  # each recorded run (a card) apart, in the order read
         lines.append(f"  off on {run.removesuffix('.csv')}:")
         for r in missed:

@@ -405,9 +405,11 @@ def comparison_lines(table: Path, run: str, tolerance_pct: float = 0.5) -> list[
     off = [r for r in rows if r.get("status") != "ok"
            or any(r.get(e) and abs(float(r[e])) > tolerance_pct for e in errors)]
     reserved = any(r.get("reserved_error_pct") for r in rows)
+    allocated = [r for r in rows if r.get("status") == "ok" and all(
+        r.get(e) and abs(float(r[e])) <= tolerance_pct for e in errors[:2])]
     lines = [f"predictions: {len(rows) - len(off)} of {len(rows)} rows of {run} predicted within {tolerance_pct:g}% "
              f"of the measured peak{', state and reserved memory' if reserved else ' and state'} "
-             f"({table.relative_to(venv.ROOT)})"]
+             f"({table.relative_to(venv.ROOT)})" + (f"; {len(allocated)} on peak and state alone" if reserved else "")]
     for r in off:
         why = r["status"] if r.get("status") != "ok" else ", ".join(
             f"{e.split('_')[0]} {float(r[e]):+.2f}%" for e in errors if r.get(e))

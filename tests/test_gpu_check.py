@@ -110,7 +110,7 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     assert "exactness off: convnet + adam on cuda:0: 2000 B against 1000 B" in report
     assert "mlp + sgd" not in report
     assert "predictions: 1 of 4 rows of nvidia-h100-80gb-hbm3.csv predicted within 0.5% of the measured peak, " \
-        "state and reserved memory (bench/out/recorded_runs.csv)" in report
+        "state and reserved memory (bench/out/recorded_runs.csv); 2 on peak and state alone" in report
     assert "prediction off: deep mlp, checkpointing: peak -5.40%, state +0.20%, reserved -0.10%" in report
     assert "prediction off: deep mlp, AMP bf16: peak +0.00%, state +0.00%, reserved -1.50%" in report
     assert "prediction off: tiny gpt, AMP fp16: not predicted: RuntimeError: no" in report

@@ -101,3 +101,20 @@ def test_the_h200s_tiny_gpt_row_is_predicted_to_the_byte_as_torch_cuda_counts_bl
     assert (got["predicted_peak_bytes"], got["predicted_state_bytes"]) == (int(row["peak_bytes"]),
                                                                            int(row["state_bytes"]))
     assert (int(row["peak_bytes"]), int(row["state_bytes"])) == (3_551_142_912, 1_385_757_696)
+
+
+def test_the_summary_counts_rows_within_the_bar_on_every_figure_and_on_peak_and_state_alone(replay):
+    """Device: none. A row is within the bar when its peak, its state and, where the run recorded it, its reserved
+    memory are within 0.5%; the summary also counts the rows whose peak and state alone are."""
+    rows = [{"run": "a.csv", "model": "m", "technique": "t1", "status": "ok", "peak_error_pct": 0.0,
+             "state_error_pct": 0.5, "reserved_error_pct": -0.2},
+            {"run": "a.csv", "model": "m", "technique": "t2", "status": "ok", "peak_error_pct": 0.1,
+             "state_error_pct": 0.0, "reserved_error_pct": -30.0},
+            {"run": "b.csv", "model": "m", "technique": "t3", "status": "ok", "peak_error_pct": 0.6,
+             "state_error_pct": 0.0},
+            {"run": "b.csv", "model": "m", "technique": "t4", "status": "not predicted: x"}]
+    lines = replay.summary(rows)
+    assert lines[0] == ("recorded GPU runs: 1 of 4 rows predicted within 0.5% (peak and state, and reserved memory "
+                        "where the run has it); 2 on peak and state alone")
+    assert lines[1:] == ["  off on a:", "    m, t2: peak +0.10%, state +0.00%, reserved -30.00%",
+                         "  off on b:", "    m, t3: peak +0.60%, state +0.00%", "    m, t4: not predicted: x"]
