@@ -148,18 +148,21 @@ def write_back(rows: list[dict], folder: Path = RUNS_DIR, info: dict | None = No
     return written
 
 
+def within(row: dict, figures=("peak", "state", "reserved"), tolerance: float = TOLERANCE) -> bool:
+    """Whether the row was predicted and each of ``figures`` the run recorded is within ``tolerance`` of it."""
+    return row.get("status") == "ok" and all(abs(row.get(f"{f}_error_pct") or 0) <= 100 * tolerance
+                                             for f in figures)
+
+
 def off(rows: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
-    """The rows whose predicted peak or state is off by more than ``tolerance`` of the measured one, or not
-    predicted at all."""
-    return [r for r in rows if r.get("status") != "ok" or abs(r["peak_error_pct"]) > 100 * tolerance
-            or abs(r["state_error_pct"]) > 100 * tolerance
-            or abs(r.get("reserved_error_pct") or 0) > 100 * tolerance]
+    """The rows whose predicted peak, state or (where the run recorded it) reserved memory is off by more than
+    ``tolerance`` of the measured one, or not predicted at all."""
+    return [r for r in rows if not within(r, tolerance=tolerance)]
 
 
 def summary(rows: list[dict]) -> list[str]:
     missed = off(rows)
-    allocated = [r for r in rows if r.get("status") == "ok" and abs(r["peak_error_pct"]) <= 100 * TOLERANCE
-                 and abs(r["state_error_pct"]) <= 100 * TOLERANCE]
+    allocated = [r for r in rows if within(r, ("peak", "state"))]
     lines = [f"recorded GPU runs: {len(rows) - len(missed)} of {len(rows)} rows predicted within "
              f"{100 * TOLERANCE:g}% (peak and state, and reserved memory where the run has it); "
              f"{len(allocated)} on peak and state alone"]
