@@ -13,7 +13,11 @@ A run recorded with its reserved memory (``reserved_bytes``: the technique matri
 workspaces' own segments included, as the run's emptied cache kept them).
 
 Rows off by more than 0.5% (the peak, the state or the reserved memory) are printed at the end: what a GPU run says
-the predictor still misses. Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a
+the predictor still misses. Where the run also kept each row's allocator trace (data/traces/<run>/, recorded by the
+technique matrix with ``--record`` since 2026-11-28), the row says where the prediction's allocations first part
+from the GPU's (``trace_difference``: the sizes in order, matched as ``difflib`` matches sequences) and what the
+simulated allocator reserves when it runs the GPU's own events (``trace_replay_reserved_bytes``): the first says
+what the step allocated that the prediction did not, the second whether the allocator's rules or the events differ. Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a
 run: ``kit.py gpu-check`` runs it so), the predicted figures are also written into that run's own CSV in
 data/runs/, beside the measured ones, with the gpukit and torch that predicted them.
 
@@ -23,17 +27,19 @@ data/runs/, beside the measured ones, with the gpukit and torch that predicted t
 from __future__ import annotations
 
 import csv
+import difflib
 import time
 from pathlib import Path
 
 import torch
-from results import write_csv
+from results import TRACES, write_csv
 
 from gpukit._torch import ScalerThatAlwaysSteps
 from gpukit.cards import card as card_named
 from gpukit.estimate import predict
 from gpukit.lessons.runs import RUNS_DIR
-from gpukit.lessons.techniques import TECHNIQUES, reference_setups
+from gpukit.allocator.replay import load_snapshot, replay
+from gpukit.lessons.techniques import TECHNIQUES, reference_setups, trace_name
 from gpukit.offload import predict_offload
 from gpukit.step import half_with_float_batchnorm, train_step
 
@@ -50,8 +56,10 @@ def recorded_rows(folder: Path = RUNS_DIR) -> list[dict]:
     return rows
 
 
-def predict_row(row: dict) -> dict:
-    """The prediction of one recorded row: its peak and state without cuBLAS's workspaces, and the seconds."""
+def predict_row(row: dict, trace: Path | None = None) -> dict:
+    """The prediction of one recorded row: its peak and state without cuBLAS's workspaces, and the seconds; with the
+    row's allocator ``trace`` (a compact snapshot), also how the prediction's allocations compare with it
+    (``compare_trace``)."""
     setup = next(s for s in reference_setups("cuda") if s.name == row["model"])
     technique = next(t for t in TECHNIQUES if t.name == row["technique"])
     card = card_named(row["device_name"])  # torch's device name ("NVIDIA H100 80GB HBM3") names the card
@@ -74,9 +82,42 @@ def predict_row(row: dict) -> dict:
     else:
         p = predict(make_model, adamw, make_batch, step, card=card, breakdown=False)
         peak, state = p.peak, p.before_step
-    return {"predicted_peak_bytes": peak - p.workspaces, "predicted_state_bytes": state - p.workspaces,
-            "predicted_reserved_bytes": p.reserved_peak, "predicted_workspace_bytes": p.workspaces, "card": card.key,
-            "predict_seconds": round(time.perf_counter() - t0, 2)}
+    out = {"predicted_peak_bytes": peak - p.workspaces, "predicted_state_bytes": state - p.workspaces,
+           "predicted_reserved_bytes": p.reserved_peak, "predicted_workspace_bytes": p.workspaces, "card": card.key,
+           "predict_seconds": round(time.perf_counter() - t0, 2)}
+    if trace is not None and trace.exists():
+        out.update(compare_trace(load_snapshot(trace), getattr(p, "allocator_events", None), card.device_bytes))
+    return out
+
+
+def compare_trace(snap: dict, events: list | None, total_memory: int) -> dict:
+    """A recorded row's allocator trace beside its prediction's events (``Prediction.allocator_events``; None where
+    the prediction keeps none, as ``predict_offload``'s): the allocations in the same order out of each side's
+    (``trace_same_order``), where they first part (``trace_difference``: the allocation's number on the GPU and up to
+    four sizes on each side, from ``difflib.SequenceMatcher``'s first three differing runs), and the reserved bytes
+    the simulated allocator reaches running the GPU's own events (``trace_replay_reserved_bytes``, with ``replay``'s
+    account of addresses and segments matched)."""
+    trace = snap["device_traces"][0] if snap.get("device_traces") else []
+    gpu = [e["size"] for e in trace if e["action"] == "alloc"]
+    report = replay(snap, total_memory=total_memory)
+    out = {"trace_replay_reserved_bytes": report.allocator.max_memory_reserved(), "trace_replay": str(report)}
+    if events is None:
+        return {**out, "trace_same_order": "", "trace_difference": "the prediction keeps no events"}
+    predicted = [e[2] for e in events if e[0] == "a"]
+    matcher = difflib.SequenceMatcher(None, gpu, predicted, autojunk=False)
+    same = sum(block.size for block in matcher.get_matching_blocks())
+    parts = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        def sizes(seq):
+            shown = ", ".join(f"{n:,}" for n in seq[:4])
+            return f"[{shown}{', ...' if len(seq) > 4 else ''}] ({len(seq)})"
+        parts.append(f"#{i1}: GPU {sizes(gpu[i1:i2])}, predicted {sizes(predicted[j1:j2])}")
+        if len(parts) == 3:
+            break
+    return {**out, "trace_same_order": f"{same}/{len(gpu)} GPU, {same}/{len(predicted)} predicted",
+            "trace_difference": "; ".join(parts) or "none: the same sizes in the same order"}
 
 
 def error(predicted: int, measured: int) -> float:
@@ -92,7 +133,7 @@ def main(record: bool = False) -> list[dict]:
                "measured_peak_bytes": int(rec["peak_bytes"]), "measured_state_bytes": int(rec["state_bytes"]),
                "torch_measured": rec["torch"]}
         try:
-            out.update(predict_row(rec))
+            out.update(predict_row(rec, TRACES / Path(rec["run"]).stem / trace_name(rec["model"], rec["technique"])))
         except Exception as err:  # a row the predictor cannot follow is reported, by name, and the rest go on
             out["status"] = f"not predicted: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             rows.append(out)
@@ -175,6 +216,10 @@ def summary(rows: list[dict]) -> list[str]:
                     f"peak {r['peak_error_pct']:+.2f}%, state {r['state_error_pct']:+.2f}%"
                     + (f", reserved {reserved:+.2f}%" if reserved is not None else ""))
                 lines.append(f"    {r['model']}, {r['technique']}: {why}")
+                if r.get("trace_difference"):
+                    lines.append(f"      its trace: {r['trace_same_order']} allocations in the same order; first apart "
+                                 f"{r['trace_difference']}; the GPU's events replayed reserve "
+                                 f"{r['trace_replay_reserved_bytes']:,} B")
     return lines
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from gpukit.lessons.runs import RUNS_DIR
 
 OUT = Path(__file__).resolve().parent / "out"
+# a recorded run's allocator traces, one file per row: data/traces/<the run's machine slug>/ (bench/techniques.py)
+TRACES = RUNS_DIR.parent / "traces"
 
 
 @functools.cache

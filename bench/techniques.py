@@ -6,20 +6,22 @@ checkpointing, model.half() with BatchNorm in float32, saved activations offload
 and combinations. Each row: peak bytes of a steady-state step (model state included), the
 median step time, samples per second, and the peak over the baseline's. The techniques
 themselves are plain PyTorch in gpukit/step.py (train_step).
-Writes bench/out/techniques.csv; with --record also data/runs/<machine>.csv.
+Writes bench/out/techniques.csv; with --record also data/runs/<machine>.csv, and each row's allocator trace (its
+build, warm-up step and measured step: ``gpukit.lessons.techniques.recorded_trace``) in data/traces/<machine>/, which
+bench/recorded_runs.py sets beside the row's prediction.
 
     python3 kit.py bench techniques [--record]
 """
 
 from __future__ import annotations
 
-from results import write_csv, write_run
+from results import TRACES, machine, slug, write_csv, write_run
 
 from gpukit.lessons.techniques import run_matrix
 
 
 def main(record: bool = False) -> list[dict]:
-    rows = run_matrix()
+    rows = run_matrix(traces=TRACES / slug(machine()) if record else None)
     write_csv("techniques.csv", rows)
     if record:
         print(f"recorded as {write_run(rows)}")

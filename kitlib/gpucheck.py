@@ -385,7 +385,7 @@ def gpu_check(args: list[str]) -> int:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text("\n".join(lines) + "\n")
         if opts.out:
-            written = written_since(STARTED_WALL, [venv.ROOT / "data" / "runs", out])
+            written = written_since(STARTED_WALL, [venv.ROOT / "data" / "runs", venv.ROOT / "data" / "traces", out])
             lines += pack(Path(opts.out) / "gpu-check.tar.gz", written)
             report.write_text("\n".join(lines) + "\n")
             pack(Path(opts.out) / "gpu-check.tar.gz", written)      # with the report's last lines
@@ -414,6 +414,10 @@ def comparison_lines(table: Path, run: str, tolerance_pct: float = 0.5) -> list[
         why = r["status"] if r.get("status") != "ok" else ", ".join(
             f"{e.split('_')[0]} {float(r[e]):+.2f}%" for e in errors if r.get(e))
         lines.append(f"  prediction off: {r['model']}, {r['technique']}: {why}")
+        if r.get("trace_difference"):  # the row's allocator trace beside the prediction's (bench/recorded_runs.py)
+            lines.append(f"    its trace: {r['trace_same_order']} allocations in the same order; first apart "
+                         f"{r['trace_difference']}; the GPU's events replayed reserve "
+                         f"{int(r['trace_replay_reserved_bytes']):,} B")
     return lines
 
 

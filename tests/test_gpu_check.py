@@ -92,9 +92,11 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     (tmp_path / "bench" / "run.py").write_text(
         "import sys\nassert sys.argv[1:] == ['recorded_runs', '--record']\n"
         "open('bench/out/recorded_runs.csv', 'w').write("
-        "'run,model,technique,peak_error_pct,state_error_pct,reserved_error_pct,status\\n'\n"
+        "'run,model,technique,peak_error_pct,state_error_pct,reserved_error_pct,status,trace_same_order,'\n"
+        "'trace_difference,trace_replay_reserved_bytes\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,deep mlp,baseline,-0.1,0.0,0.2,ok\\n'\n"
-        "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,-0.1,ok\\n'\n"
+        "'nvidia-h100-80gb-hbm3.csv,deep mlp,checkpointing,-5.4,0.2,-0.1,ok,\"1500/1510 GPU, 1500/1505 predicted\",'\n"
+        "'\"#12: GPU [512] (1), predicted [] (0)\",2097152\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,deep mlp,AMP bf16,0.0,0.0,-1.5,ok\\n'\n"
         "'nvidia-h100-80gb-hbm3.csv,tiny gpt,AMP fp16,,,,not predicted: RuntimeError: no\\n'\n"
         "'a-older.csv,deep mlp,AMP fp16,-3.0,0.0,,ok\\n')\n")
@@ -112,6 +114,9 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     assert "predictions: 1 of 4 rows of nvidia-h100-80gb-hbm3.csv predicted within 0.5% of the measured peak, " \
         "state and reserved memory (bench/out/recorded_runs.csv); 2 on peak and state alone" in report
     assert "prediction off: deep mlp, checkpointing: peak -5.40%, state +0.20%, reserved -0.10%" in report
+    # with the row's allocator trace: where the GPU's allocations and the prediction's first part
+    assert "    its trace: 1500/1510 GPU, 1500/1505 predicted allocations in the same order; first apart #12: GPU " \
+        "[512] (1), predicted [] (0); the GPU's events replayed reserve 2,097,152 B" in report
     assert "prediction off: deep mlp, AMP bf16: peak +0.00%, state +0.00%, reserved -1.50%" in report
     assert "prediction off: tiny gpt, AMP fp16: not predicted: RuntimeError: no" in report
     assert "a-older.csv" not in report and "deep mlp, AMP fp16" not in report

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,3 +119,43 @@ def test_the_summary_counts_rows_within_the_bar_on_every_figure_and_on_peak_and_
                         "where the run has it); 2 on peak and state alone")
     assert lines[1:] == ["  off on a:", "    m, t2: peak +0.10%, state +0.00%, reserved -30.00%",
                          "  off on b:", "    m, t3: peak +0.60%, state +0.00%", "    m, t4: not predicted: x"]
+
+
+def test_a_rows_allocator_trace_is_kept_and_set_beside_a_predictions_events(replay, tmp_path):
+    """Device: cpu, the row's trace recorded on the simulated card (gpukit.SimulatedCuda) as the technique matrix
+    records it on a GPU (``torch.cuda.memory._record_memory_history``). The trace replays to the addresses and
+    segments the card recorded; set beside itself it parts nowhere, and beside events that lost one allocation
+    and gained another it names that allocation's number and both sizes."""
+    from gpukit.allocator.replay import load_snapshot
+    from gpukit.lessons.techniques import TECHNIQUES, measure_technique, recorded_trace, reference_setups, trace_name
+
+    setup = reference_setups("small")[0]
+    path = tmp_path / "cpu" / trace_name(setup.name, TECHNIQUES[3].name)
+    assert path.name == "deep-mlp-64x8--accumulation-k-4.json.gz"
+    row = measure_technique(setup, TECHNIQUES[3], "cpu", steps=0, trace=path)
+    assert row["status"] == "ok"
+    snap = load_snapshot(path)
+    trace = snap["device_traces"][0]
+    events = [("a", e["addr"], e["size"]) if e["action"] == "alloc" else ("f", e["addr"])
+              for e in trace if e["action"] in ("alloc", "free_completed")]
+    allocs = [e for e in events if e[0] == "a"]
+    assert len(allocs) > 100
+    same = replay.compare_trace(snap, events, 2**34)
+    assert same["trace_same_order"] == f"{len(allocs)}/{len(allocs)} GPU, {len(allocs)}/{len(allocs)} predicted"
+    assert same["trace_difference"] == "none: the same sizes in the same order"
+    assert same["trace_replay_reserved_bytes"] == sum(s["total_size"] for s in snap["segments"])
+    assert same["trace_replay"].startswith(f"{len(trace)} events: {len(allocs)}/{len(allocs)} allocations at the "
+                                           "recorded address")
+    k = events.index(allocs[40])
+    changed = events[:k] + [("a", -1, 123_456)] + events[k + 1:]
+    apart = replay.compare_trace(snap, changed, 2**34)
+    assert apart["trace_difference"] == f"#40: GPU [{allocs[40][2]:,}] (1), predicted [123,456] (1)"
+    assert replay.compare_trace(snap, None, 2**34)["trace_difference"] == "the prediction keeps no events"
+    # A block that fails keeps no trace, and leaves no simulated card following the process's tensors.
+    import gpukit.simulated
+
+    with pytest.raises(RuntimeError), recorded_trace(torch.device("cpu"), tmp_path / "failed.json.gz"):
+        torch.ones(1000)
+        raise RuntimeError("the step failed")
+    assert not (tmp_path / "failed.json.gz").exists()
+    assert gpukit.simulated._ACTIVE is None or gpukit.simulated._ACTIVE._closed

@@ -20,9 +20,11 @@ has no time.
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -127,13 +129,54 @@ def median_step_seconds(step: Callable[[], None], device: torch.device, steps: i
     return statistics.median(times), len(times)
 
 
+def trace_name(model: str, technique: str) -> str:
+    """The file a row's allocator trace is kept in: ``'tinygpt-12x768--checkpointing.json.gz'``."""
+    def part(text: str) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return f"{part(model)}--{part(technique)}.json.gz"
+
+
+@contextlib.contextmanager
+def recorded_trace(device: torch.device, path: str | Path | None):
+    """The caching allocator's events inside the block (its allocations and frees, their sizes and addresses, no
+    stack frames: ``torch.cuda.memory._record_memory_history(context=None)``), kept at ``path`` as the compact
+    snapshot ``gpukit.allocator.replay.save_compact`` writes, when the block ends without an error. On a CPU a
+    simulated card (``gpukit.SimulatedCuda``, replacing one the process had) follows the block, and is closed after
+    it; on ``'meta'`` nothing is recorded. ``path`` None: nothing either."""
+    if path is None or device.type not in ("cuda", "cpu"):
+        yield
+        return
+    from ..allocator.replay import save_compact
+
+    card = None
+    if device.type == "cuda":
+        memory = torch.cuda.memory
+    else:
+        from ..simulated import SimulatedCuda
+
+        card = SimulatedCuda()
+        memory = card.memory
+    memory._record_memory_history("all", context=None, stacks="python", clear_history=True)
+    try:
+        yield
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_compact(memory._snapshot(), path)
+    finally:
+        memory._record_memory_history(None)
+        if card is not None:
+            card.close()
+
+
 def measure_technique(setup: Setup, technique: Technique, device: str | torch.device | None = None, *,
-                      steps: int = 5, max_seconds: float = 2.0) -> dict:
+                      steps: int = 5, max_seconds: float = 2.0, trace: str | Path | None = None) -> dict:
     """One row of the matrix: peak bytes of a steady-state step (the model's state included), step time
     and samples per second; on a GPU also the caching allocator's reserved bytes by the end of that step
     (``reserved_bytes``: from an emptied cache, cuBLAS's workspaces of the warm-up included, as a prediction
     places them). ``steps=0`` measures memory only. On ``'meta'`` (a simulated GPU) the whole
     run is on fake tensors: memory is counted, nothing is computed, and there is no time.
+
+    ``trace``: a file to keep the allocator's events of the build, the warm-up step and the measured step in
+    (``recorded_trace``; on a CPU the simulated card's), to compare with a prediction's event by event.
 
     A technique the device cannot run gives a row whose ``status`` says why (and no figures).
     """
@@ -153,19 +196,20 @@ def measure_technique(setup: Setup, technique: Technique, device: str | torch.de
     # The collector keeps still throughout (no garbage of before is freed inside a measured block); what the
     # run leaves is all young, and goes before the next technique's run.
     with gc_paused(full=False) as collect_young:
-        row = _measure(setup, technique, dev, row, simulated, steps, max_seconds)
+        row = _measure(setup, technique, dev, row, simulated, steps, max_seconds, trace)
         collect_young()
     return row
 
 
-def _measure(setup, technique, dev, row, simulated, steps, max_seconds) -> dict:
+def _measure(setup, technique, dev, row, simulated, steps, max_seconds, trace) -> dict:
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) if simulated else contextlib.nullcontext():
-            with measure(dev, record=False) as state:
-                model, optimizer, scaler, x, y = build(setup, technique, dev)
-                train_step(model, optimizer, (x, y), technique, scaler)  # warm-up: gradients and optimizer state
-            with measure(dev, record=False) as step:
-                train_step(model, optimizer, (x, y), technique, scaler)
+            with recorded_trace(dev, trace):
+                with measure(dev, record=False) as state:
+                    model, optimizer, scaler, x, y = build(setup, technique, dev)
+                    train_step(model, optimizer, (x, y), technique, scaler)  # warm-up: gradients and optimizer state
+                with measure(dev, record=False) as step:
+                    train_step(model, optimizer, (x, y), technique, scaler)
             if steps and not simulated:
                 seconds, row["timed_steps"] = median_step_seconds(
                     lambda: train_step(model, optimizer, (x, y), technique, scaler), dev, steps, max_seconds)
@@ -181,7 +225,7 @@ def _measure(setup, technique, dev, row, simulated, steps, max_seconds) -> dict:
 
 def run_matrix(device: str | torch.device | None = None, setups: list[Setup] | None = None,
                techniques: list[Technique] | None = None, *, steps: int = 5, max_seconds: float = 2.0,
-               echo: Callable[[str], None] | None = print) -> list[dict]:
+               echo: Callable[[str], None] | None = print, traces: str | Path | None = None) -> list[dict]:
     """Every technique on every setup; each row also gets ``peak_vs_baseline`` (its peak over the baseline's,
     measured on the same device).
 
@@ -192,6 +236,8 @@ def run_matrix(device: str | torch.device | None = None, setups: list[Setup] | N
         techniques: default ``TECHNIQUES``.
         steps, max_seconds: how many steps to time for the median, and the time after which to stop early.
         echo: where to print one line per row (None: silent).
+        traces: a folder to keep each row's allocator trace in (``measure_technique``'s ``trace``, named by
+            ``trace_name``); None: none kept.
     """
     dev = resolve_device(device)
     rows = []
@@ -199,7 +245,8 @@ def run_matrix(device: str | torch.device | None = None, setups: list[Setup] | N
         baseline: dict[str, dict] = {}
         for technique in techniques or TECHNIQUES:
             where = torch.device("meta") if technique.offload and dev.type == "cpu" else dev
-            row = measure_technique(setup, technique, where, steps=steps, max_seconds=max_seconds)
+            trace = Path(traces) / trace_name(setup.name, technique.name) if traces is not None else None
+            row = measure_technique(setup, technique, where, steps=steps, max_seconds=max_seconds, trace=trace)
             if where.type not in baseline:
                 baseline[where.type] = row if technique == BASELINE else measure_technique(setup, BASELINE, where,
                                                                                            steps=0)
@@ -221,4 +268,5 @@ def format_row(row: dict) -> str:
 
 
 __all__ = ["Technique", "TECHNIQUES", "BASELINE", "Setup", "SIZES", "reference_setups", "train_step",
-           "build", "measure_technique", "run_matrix", "median_step_seconds", "format_row"]
+           "build", "measure_technique", "run_matrix", "median_step_seconds", "format_row", "recorded_trace",
+           "trace_name"]
