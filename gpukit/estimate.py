@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode
-from .allocator import CONTEXT_ALLOWANCE, follow
+from .allocator import CONTEXT_ALLOWANCE, WholeBlocks, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
@@ -293,7 +293,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         collect_young()  # what the warm-up left is freed before the step, not inside it
         tally = FAKE_LEDGER.start()
         watch = simulated.watch()
-        blocks = _BlocksAsCudaCounts(simulated) if kind == "cuda" else None
+        blocks = WholeBlocks(simulated) if kind == "cuda" else None
         try:
             roles.start(plain_tensors_only=True)
             try:
@@ -337,27 +337,6 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
         card=card.key if card is not None else None, unfollowed=dict(amp.unfollowed))
-
-
-class _BlocksAsCudaCounts:
-    """The step's figures as ``torch.cuda.memory_allocated()`` counts them: each block whole. A large block is
-    split only when more than 1 MiB would remain (c10/cuda/CUDACachingAllocator.cpp ``should_split``), so a tensor
-    may hold up to 1 MiB more than its size, and ``allocated_bytes`` adds ``block->size``. Read from the simulated
-    allocator that follows the prediction (``follow(..., fresh=True)``), from the step's start (``before_slack``: the
-    blocks then, over the storages' 512-byte sizes) to its peak."""
-
-    def __init__(self, simulated) -> None:
-        self.simulated, self.alloc = simulated, simulated.allocator  # up to date: every event applied
-        sizes, placed = FAKE_LEDGER.sizes, simulated.addr
-        self.start = self.alloc.memory_allocated()
-        self.before_slack = self.start - sum(round_up(sizes[k]) for k in placed if k in sizes)
-        self.alloc.reset_peak_stats()  # the peak from the step's start (the watch cells follow reserved memory)
-
-    def known(self) -> bool:
-        return not self.simulated.failed
-
-    def step_peak(self) -> int:
-        return self.simulated.allocator.max_memory_allocated() - self.start
 
 
 @contextlib.contextmanager

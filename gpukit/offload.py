@@ -52,7 +52,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
-from .allocator import CachingAllocator, follow
+from .allocator import CachingAllocator, WholeBlocks, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
@@ -399,6 +399,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
             collect_young()  # what the warm-up left is freed before the step, not inside it
             on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
             device_state, host_state = kept[0].level, kept[1].level
+            blocks = WholeBlocks(simulated)  # the GPU's figures as torch.cuda counts them: each block whole
             watch = simulated.watch()
             try:
                 with copies() as traffic:
@@ -416,10 +417,13 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
         del model, optimizer, batch
         collect_young()
     device, host, both = on_step
+    device_step_peak = device.peak
+    if blocks.known():  # (as in estimate.predict; the host's memory is not the caching allocator's)
+        device_state, device_step_peak = device_state + blocks.before_slack, blocks.step_peak()
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
     # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
     reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
-    return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device.peak,
+    return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device_step_peak,
                              host_state=host_state, host_step_peak=host.peak, combined_step_peak=both.peak,
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
                              card=card.key if card is not None else None, workspaces=workspaces,

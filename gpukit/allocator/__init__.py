@@ -84,8 +84,8 @@ from .blocks import Block, BlockPool, ExpandableSegment
 from .caching import SIMULATED, CachingAllocator
 from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMB, kMinBlockSize, kMinLargeAlloc,
                      kRoundLarge, kRoundUpPowerOfTwoIntervals, kSmallBuffer, kSmallSize, roundup_power2_next_division)
-from .device import (SimulatedDevice, cpu_device, follow, replay_events, reset_cpu_device, set_cpu_simulation,
-                     use_cpu_device)
+from .device import (SimulatedDevice, WholeBlocks, cpu_device, follow, replay_events, reset_cpu_device,
+                     set_cpu_simulation, use_cpu_device)
 from .oom import OOM_ADVICE, SimulatedOutOfMemoryError, format_size
 from .plots import plot_segments
 from .replay import ReplayReport, config_of_snapshot, load_snapshot, replay, save_compact
@@ -96,4 +96,5 @@ __all__ = ["AllocatorConfig", "Block", "BlockPool", "CONTEXT_ALLOWANCE", "Cachin
            "SimulatedOutOfMemoryError", "config_of_snapshot", "cpu_device", "follow", "format_size",
            "kLargeBuffer", "kMB", "kMinBlockSize", "kMinLargeAlloc", "kRoundLarge", "kRoundUpPowerOfTwoIntervals",
            "kSmallBuffer", "kSmallSize", "load_snapshot", "plot_segments", "replay", "replay_events",
-           "reset_cpu_device", "roundup_power2_next_division", "save_compact", "set_cpu_simulation", "use_cpu_device"]
+           "reset_cpu_device", "roundup_power2_next_division", "save_compact", "set_cpu_simulation", "use_cpu_device",
+           "WholeBlocks"]

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from .caching import POOL_NAMES, CachingAllocator, format_size
-from .config import CONTEXT_ALLOWANCE, AllocatorConfig
+from .config import CONTEXT_ALLOWANCE, AllocatorConfig, kMinBlockSize
 
 
 class SimulatedDevice:
@@ -442,6 +442,30 @@ class SimulatedDevice:
                 del self.peaks[i]
                 break
         return cell[0]
+
+
+class WholeBlocks:
+    """What ``torch.cuda.memory_allocated()`` counts from here on, read from a ``SimulatedDevice`` that follows a
+    counter: each block whole. A large block is split only where more than 1 MiB would remain
+    (c10/cuda/CUDACachingAllocator.cpp ``should_split``), so a tensor may hold up to 1 MiB more than its size, and
+    ``allocated_bytes`` adds ``block->size``. ``before_slack``: the blocks now over their storages' 512-byte sizes;
+    ``step_peak()``: the most allocated since, over now. Made where a prediction's step starts (gpukit.estimate,
+    gpukit.offload); it resets the allocator's peak statistics (the ``watch`` cells follow reserved memory)."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        self.device, alloc = device, device.allocator  # up to date: every event applied
+        sizes = device.ledger.sizes if device.ledger is not None else {}
+        self.start = alloc.memory_allocated()
+        self.before_slack = self.start - sum(-(-sizes[k] // kMinBlockSize) * kMinBlockSize
+                                             for k in device.addr if k in sizes)
+        alloc.reset_peak_stats()
+
+    def known(self) -> bool:
+        """Whether the device followed every event (an interrupted update detaches it: ``SimulatedDevice.failed``)."""
+        return not self.device.failed
+
+    def step_peak(self) -> int:
+        return self.device.allocator.max_memory_allocated() - self.start
 
 
 _CPU_DEVICE: SimulatedDevice | None = None
