@@ -14,6 +14,7 @@ from gpukit.lessons.data import load_digits
 from gpukit.estimate import (Prediction, default_step, layer_table, measured_step_peak, optimizer_copies, predict,
                              rule_of_thumb, state_tensors)
 from gpukit.lessons.models import MLP, GPTConfig, TinyGPT, parameter_bytes, reference_cases, vgg16
+from gpukit.offload import predict_offload
 from gpukit.roles import memtracker_peak
 
 B = 128
@@ -86,7 +87,7 @@ class _TwoVectors(torch.nn.Module):
 
 
 def test_for_cuda_a_block_that_would_leave_1_mib_or_less_is_counted_whole_as_torch_cuda_counts_it():
-    """Device: cpu (fake tensors), CPU rules and CUDA's. A 1-10 MiB request gets a 20 MiB segment
+    """Device: cpu (fake tensors), CPU rules and CUDA's; and meta, predict_offload's simulated GPU. A 1-10 MiB request gets a 20 MiB segment
     (CUDACachingAllocator.cpp kLargeBuffer); the second 9.5 MiB tensor in it would leave 1 MiB, which is not split
     off (should_split: more than kSmallSize must remain), so torch.cuda.memory_allocated() counts 10.5 MiB. The two
     parameters and their two gradients before the step: 2 MiB over the tensors, exactly; the CPU's figure is the
@@ -104,6 +105,10 @@ def test_for_cuda_a_block_that_would_leave_1_mib_or_less_is_counted_whole_as_tor
     assert (cpu.before_step, cpu.whole_blocks) == (tensors, 0)
     assert cuda.before_step - cuda.workspaces == tensors + 2 * mib
     assert cuda.whole_blocks >= 2 * mib and cuda.peak - cuda.whole_blocks - cuda.workspaces == cpu.peak
+    # predict_offload's simulated GPU (meta) counts its blocks as predict() for CUDA does (it counted the tensors'
+    # sizes until 2026-11-28: a tiny GPT's offload row on an H200 was then 0.6% under, and 0.07% since)
+    simulated = predict_offload(*make)
+    assert (simulated.device_state, simulated.device_peak) == (cuda.before_step, cuda.peak)
 
 
 def test_a_billion_parameter_model_is_predicted_without_allocating_it():

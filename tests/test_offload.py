@@ -342,30 +342,3 @@ def test_dropout_on_the_simulated_gpu_keeps_the_fused_kernels_bool_mask_as_predi
     assert (simulated.device_state, simulated.device_peak) == (t4.before_step, t4.peak)
     assert cpu.peak - (simulated.device_peak - simulated.workspaces) == n * n * 3
 
-
-class _TwoVectors(torch.nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.a, self.b = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
-
-    def forward(self, x):
-        return (self.a * x).sum() + (self.b * x).sum()
-
-
-def test_the_simulated_gpu_counts_a_block_that_would_leave_1_mib_or_less_whole_as_predict_for_cuda_does():
-    """Device: meta (a simulated GPU) against predict(device="cuda") on the CPU. Two 9.5 MiB parameters share a
-    20 MiB segment (CUDACachingAllocator.cpp kLargeBuffer) and the second would leave 1 MiB, which is not split off
-    (should_split), so torch.cuda.memory_allocated() counts its block whole: with the gradients, 2 MiB over the
-    tensors before the step. The simulated GPU counts its blocks as predict() does, to the byte (it counted the
-    tensors' sizes until 2026-11-28: a tiny GPT's offload row on an H200 was then 0.6% under, and 0.07% since)."""
-    n, mib = int(9.5 * 2**20) // 4, 2**20
-
-    def step(model, optimizer, x):
-        model(x).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-
-    make = (lambda: _TwoVectors(n), lambda q: torch.optim.SGD(q, lr=0.1), lambda: torch.ones(n), step)
-    on_cpu, simulated = predict(*make, device="cuda", breakdown=False), predict_offload(*make)
-    assert simulated.device_state - simulated.workspaces == 5 * int(9.5 * mib) + 2 * mib
-    assert (simulated.device_state, simulated.device_peak) == (on_cpu.before_step, on_cpu.peak)
