@@ -159,3 +159,8 @@ def test_a_rows_allocator_trace_is_kept_and_set_beside_a_predictions_events(repl
         raise RuntimeError("the step failed")
     assert not (tmp_path / "failed.json.gz").exists()
     assert gpukit.simulated._ACTIVE is None or gpukit.simulated._ACTIVE._closed
+    # A trace that cannot be written (its folder is a file) warns and leaves the row's figures as they are.
+    (tmp_path / "a file").write_text("")
+    with pytest.warns(RuntimeWarning, match="the allocator trace could not be kept"):
+        again = measure_technique(setup, TECHNIQUES[3], "cpu", steps=0, trace=tmp_path / "a file" / path.name)
+    assert (again["status"], again["peak_bytes"], again["state_bytes"]) == ("ok", row["peak_bytes"], row["state_bytes"])

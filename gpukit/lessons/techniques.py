@@ -23,6 +23,7 @@ import contextlib
 import re
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -140,7 +141,8 @@ def trace_name(model: str, technique: str) -> str:
 def recorded_trace(device: torch.device, path: str | Path | None):
     """The caching allocator's events inside the block (its allocations and frees, their sizes and addresses, no
     stack frames: ``torch.cuda.memory._record_memory_history(context=None)``), kept at ``path`` as the compact
-    snapshot ``gpukit.allocator.replay.save_compact`` writes, when the block ends without an error. On a CPU a
+    snapshot ``gpukit.allocator.replay.save_compact`` writes, when the block ends without an error (a file that
+    cannot be written is a ``RuntimeWarning``, not the row's failure). On a CPU a
     simulated card (``gpukit.SimulatedCuda``, replacing one the process had) follows the block, and is closed after
     it; on ``'meta'`` nothing is recorded. ``path`` None: nothing either."""
     if path is None or device.type not in ("cuda", "cpu"):
@@ -159,8 +161,11 @@ def recorded_trace(device: torch.device, path: str | Path | None):
     memory._record_memory_history("all", context=None, stacks="python", clear_history=True)
     try:
         yield
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_compact(memory._snapshot(), path)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            save_compact(memory._snapshot(), path)
+        except OSError as err:  # the row's figures stand without it: say so, and go on
+            warnings.warn(f"the allocator trace could not be kept at {path}: {err}", RuntimeWarning, stacklevel=3)
     finally:
         memory._record_memory_history(None)
         if card is not None:
