@@ -568,3 +568,14 @@ def test_simulated_device_holds_the_cuda_context_allowance_by_default():
         assert set_off.allocator.context_bytes == 0 and cpu_device() is set_off
     finally:
         reset_cpu_device()
+
+
+def test_whole_blocks_are_known_only_from_a_device_a_counter_feeds():
+    """Device: cpu (simulated devices). ``WholeBlocks`` reads the blocks over the storages' sizes, which only the
+    counter that feeds the device knows: from a device no counter feeds it says it does not know (a prediction then
+    keeps the tensors' sizes) rather than count every block as slack."""
+    from gpukit.allocator import SimulatedDevice, WholeBlocks
+
+    alone = SimulatedDevice(2**34)
+    alone.on_alloc(1, 9_961_472)
+    assert alone.allocator.memory_allocated() == 9_961_472 and not WholeBlocks(alone).known()

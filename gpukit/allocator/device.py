@@ -454,15 +454,17 @@ class WholeBlocks:
 
     def __init__(self, device: SimulatedDevice) -> None:
         self.device, alloc = device, device.allocator  # up to date: every event applied
-        sizes = device.ledger.sizes if device.ledger is not None else {}
+        self.attached = device.ledger is not None  # (a device no counter feeds knows no storage's size)
+        sizes = device.ledger.sizes if self.attached else {}
         self.start = alloc.memory_allocated()
         self.before_slack = self.start - sum(-(-sizes[k] // kMinBlockSize) * kMinBlockSize
                                              for k in device.addr if k in sizes)
         alloc.reset_peak_stats()
 
     def known(self) -> bool:
-        """Whether the device followed every event (an interrupted update detaches it: ``SimulatedDevice.failed``)."""
-        return not self.device.failed
+        """Whether the device followed a counter's every event (an interrupted update detaches it:
+        ``SimulatedDevice.failed``)."""
+        return self.attached and not self.device.failed
 
     def step_peak(self) -> int:
         return self.device.allocator.max_memory_allocated() - self.start
