@@ -1,6 +1,7 @@
 """The simulated device fed by gpukit's counter: a ``CachingAllocator`` that follows every storage the counter
-sees made and freed (``SimulatedDevice``), the one behind ``measure()`` on a CPU (``cpu_device``), and the
-replay of its recorded events on another capacity (``replay_events``)."""
+sees made and freed (``SimulatedDevice``), the one behind ``measure()`` on a CPU (``cpu_device``), what
+``torch.cuda.memory_allocated()`` would count on it, each block whole (``WholeBlocks``: the predictions' CUDA
+figures), and the replay of its recorded events on another capacity (``replay_events``)."""
 
 from __future__ import annotations
 
