@@ -114,10 +114,14 @@ def test_the_summary_counts_rows_within_the_bar_on_every_figure_and_on_peak_and_
             {"run": "b.csv", "model": "m", "technique": "t3", "status": "ok", "peak_error_pct": 0.6,
              "state_error_pct": 0.0},
             {"run": "b.csv", "model": "m", "technique": "t4", "status": "not predicted: x"}]
+    rows[1].update(trace_same_order="9/10 GPU, 9/9 predicted", trace_difference="#3: GPU [512] (1), predicted [] (0)",
+                   trace_replay_reserved_bytes=2097152)  # (a run that kept its traces)
     lines = replay.summary(rows)
     assert lines[0] == ("recorded GPU runs: 1 of 4 rows predicted within 0.5% (peak and state, and reserved memory "
                         "where the run has it); 2 on peak and state alone")
     assert lines[1:] == ["  off on a:", "    m, t2: peak +0.10%, state +0.00%, reserved -30.00%",
+                         "      its trace: 9/10 GPU, 9/9 predicted allocations in the same order; first apart #3: GPU "
+                         "[512] (1), predicted [] (0); the GPU's events replayed reserve 2,097,152 B",
                          "  off on b:", "    m, t3: peak +0.60%, state +0.00%", "    m, t4: not predicted: x"]
 
 
