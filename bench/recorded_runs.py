@@ -17,9 +17,11 @@ the predictor still misses. Where the run also kept each row's allocator trace (
 technique matrix with ``--record`` since 2026-11-28), the row says where the prediction's allocations first part
 from the GPU's (``trace_difference``: the sizes in order, matched as ``difflib`` matches sequences) and what the
 simulated allocator reserves when it runs the GPU's own events (``trace_replay_reserved_bytes``): the first says
-what the step allocated that the prediction did not, the second whether the allocator's rules or the events differ. Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a
-run: ``kit.py gpu-check`` runs it so), the predicted figures are also written into that run's own CSV in
-data/runs/, beside the measured ones, with the gpukit and torch that predicted them.
+what the step allocated that the prediction did not, the second whether the allocator's rules or the events differ.
+
+Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a run: ``kit.py gpu-check`` runs
+it so), the predicted figures are also written into that run's own CSV in data/runs/, beside the measured ones, with
+the gpukit and torch that predicted them.
 
     python3 kit.py bench recorded_runs [--record]
 """
@@ -35,10 +37,10 @@ import torch
 from results import TRACES, write_csv
 
 from gpukit._torch import ScalerThatAlwaysSteps
+from gpukit.allocator.replay import load_snapshot, replay
 from gpukit.cards import card as card_named
 from gpukit.estimate import predict
 from gpukit.lessons.runs import RUNS_DIR
-from gpukit.allocator.replay import load_snapshot, replay
 from gpukit.lessons.techniques import TECHNIQUES, reference_setups, trace_name
 from gpukit.offload import predict_offload
 from gpukit.step import half_with_float_batchnorm, train_step
@@ -86,7 +88,10 @@ def predict_row(row: dict, trace: Path | None = None) -> dict:
            "predicted_reserved_bytes": p.reserved_peak, "predicted_workspace_bytes": p.workspaces, "card": card.key,
            "predict_seconds": round(time.perf_counter() - t0, 2)}
     if trace is not None and trace.exists():
-        out.update(compare_trace(load_snapshot(trace), getattr(p, "allocator_events", None), card.device_bytes))
+        try:
+            out.update(compare_trace(load_snapshot(trace), getattr(p, "allocator_events", None), card.device_bytes))
+        except (ValueError, KeyError, OSError, EOFError) as err:  # the prediction stands; the trace is named
+            out["trace_difference"] = f"trace {trace.name} not read: {type(err).__name__}: {err}"[:200]
     return out
 
 
@@ -106,14 +111,15 @@ def compare_trace(snap: dict, events: list | None, total_memory: int) -> dict:
     predicted = [e[2] for e in events if e[0] == "a"]
     matcher = difflib.SequenceMatcher(None, gpu, predicted, autojunk=False)
     same = sum(block.size for block in matcher.get_matching_blocks())
+
+    def sizes(seq: list[int]) -> str:
+        shown = ", ".join(f"{n:,}" for n in seq[:4])
+        return f"[{shown}{', ...' if len(seq) > 4 else ''}] ({len(seq)})"
+
     parts = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        def sizes(seq):
-            shown = ", ".join(f"{n:,}" for n in seq[:4])
-            return f"[{shown}{', ...' if len(seq) > 4 else ''}] ({len(seq)})"
-        parts.append(f"#{i1}: GPU {sizes(gpu[i1:i2])}, predicted {sizes(predicted[j1:j2])}")
+        if tag != "equal":
+            parts.append(f"#{i1}: GPU {sizes(gpu[i1:i2])}, predicted {sizes(predicted[j1:j2])}")
         if len(parts) == 3:
             break
     return {**out, "trace_same_order": f"{same}/{len(gpu)} GPU, {same}/{len(predicted)} predicted",

@@ -155,6 +155,14 @@ def test_a_rows_allocator_trace_is_kept_and_set_beside_a_predictions_events(repl
     apart = replay.compare_trace(snap, changed, 2**34)
     assert apart["trace_difference"] == f"#40: GPU [{allocs[40][2]:,}] (1), predicted [123,456] (1)"
     assert replay.compare_trace(snap, None, 2**34)["trace_difference"] == "the prediction keeps no events"
+    # A trace that cannot be read leaves the row's prediction as it is, and says so.
+    (tmp_path / "bogus.json.gz").write_bytes(b"\x1f\x8bnot a trace")
+    recorded = next(r for r in replay.recorded_rows()
+                    if r["model"] == "deep mlp 4096x8" and r["technique"] == "AMP fp16")
+    got = replay.predict_row(recorded, tmp_path / "bogus.json.gz")
+    assert (got["predicted_peak_bytes"], got["predicted_state_bytes"]) == (int(recorded["peak_bytes"]),
+                                                                           int(recorded["state_bytes"]))
+    assert got["trace_difference"].startswith("trace bogus.json.gz not read: ")
     # A block that fails keeps no trace, and leaves no simulated card following the process's tensors.
     import gpukit.simulated
 
