@@ -87,11 +87,11 @@ class _TwoVectors(torch.nn.Module):
 
 
 def test_for_cuda_a_block_that_would_leave_1_mib_or_less_is_counted_whole_as_torch_cuda_counts_it():
-    """Device: cpu (fake tensors), CPU rules and CUDA's; and meta, predict_offload's simulated GPU. A 1-10 MiB request gets a 20 MiB segment
-    (CUDACachingAllocator.cpp kLargeBuffer); the second 9.5 MiB tensor in it would leave 1 MiB, which is not split
-    off (should_split: more than kSmallSize must remain), so torch.cuda.memory_allocated() counts 10.5 MiB. The two
-    parameters and their two gradients before the step: 2 MiB over the tensors, exactly; the CPU's figure is the
-    tensors'."""
+    """Device: cpu (fake tensors), CPU rules and CUDA's; and meta, predict_offload's simulated GPU. A 1-10 MiB
+    request gets a 20 MiB segment (CUDACachingAllocator.cpp kLargeBuffer); the second 9.5 MiB tensor in it would
+    leave 1 MiB, which is not split off (should_split: more than kSmallSize must remain), so
+    torch.cuda.memory_allocated() counts 10.5 MiB. The two parameters and their two gradients before the step:
+    2 MiB over the tensors, exactly; the CPU's figure is the tensors'."""
     n, mib = int(9.5 * 2**20) // 4, 2**20
 
     def step(model, optimizer, x):

@@ -341,4 +341,3 @@ def test_dropout_on_the_simulated_gpu_keeps_the_fused_kernels_bool_mask_as_predi
     cpu = predict(model, sgd, batch, device="cpu", breakdown=False)
     assert (simulated.device_state, simulated.device_peak) == (t4.before_step, t4.peak)
     assert cpu.peak - (simulated.device_peak - simulated.workspaces) == n * n * 3
-
