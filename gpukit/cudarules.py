@@ -74,6 +74,9 @@ source (what the GPU machines carry; the same in 2.13), for a Hopper GPU (H100/H
 * Reductions' staging buffer (aten/src/ATen/native/cuda/Reduce.cuh): ``sum`` and ``mean`` split across thread
   blocks allocate a buffer and semaphores for the kernel's duration; their sizes: ``gpukit.cudareduce``.
 
+* CUDA as the user's code names it (``.cuda()``, ``.to("cuda")``, ``device="cuda"``): the tensors that stand for
+  the GPU (``gpukit.cudadevice``), so that the step a user runs on a GPU runs as written.
+
 * Optimizers' step counters: a for-loop or foreach optimizer keeps ``state['step']`` on the host (torch/optim/adam.py
   ``_init_group``: on the parameter's device only when capturable or fused); the rules register the hook that
   marks them the host's (``gpukit.hoststate``), so they count in no device figure.
@@ -98,6 +101,7 @@ from torch.overrides import TorchFunctionMode
 from ._torch import TorchDispatchMode, current_autograd_node, tree_flatten, tree_unflatten
 from .counter import FAKE_LEDGER
 from .cuda_autocast import CudaAutocast
+from .cudadevice import CudaDevices
 from .cudareduce import REDUCTION_MULTIPROCESSORS, REDUCTION_OPS, SM90, reduction_staging_blocks
 from .hoststate import host_steps_hook, run_capturable_off
 
@@ -225,8 +229,20 @@ class CudaRules(TorchDispatchMode):
         # (gpukit.offload's GPU, meta, has no autocast: its regions run in float32, named there.)
         policy = self._policy = CudaAutocast() if self.gpu is None else None
         cls.__enter__, cls.__exit__ = entered, exited
+        # The CUDA devices the user's code names (.cuda(), device="cuda") are the tensors that stand for the GPU.
+        self._devices = CudaDevices(self.gpu or "cpu")
+        try:
+            self._devices.__enter__()
+        except BaseException:
+            cls.__enter__, cls.__exit__ = self._saved
+            raise
         self._math = _MathAttention(self.capability, self.sdpa)  # no cycle back: the rules die with the step
-        self._math.__enter__()
+        try:
+            self._math.__enter__()
+        except BaseException:
+            self._devices.__exit__(None, None, None)
+            cls.__enter__, cls.__exit__ = self._saved
+            raise
         self._dropout = _FusedDropout(self.gpu)
         try:
             self._dropout.__enter__()
@@ -237,8 +253,11 @@ class CudaRules(TorchDispatchMode):
                 self._dropout.__exit__(None, None, None)
                 raise
         except BaseException:
-            self._math.__exit__(None, None, None)
-            cls.__enter__, cls.__exit__ = self._saved
+            try:
+                self._math.__exit__(None, None, None)
+            finally:
+                self._devices.__exit__(None, None, None)
+                cls.__enter__, cls.__exit__ = self._saved
             raise
         entered = super().__enter__()
         # CUDA keeps the optimizers' step counters on the host (gpukit.hoststate), where every fake tensor is the GPU's
@@ -260,7 +279,10 @@ class CudaRules(TorchDispatchMode):
                 try:
                     self._dropout.__exit__(*exc)
                 finally:
-                    self._math.__exit__(*exc)
+                    try:
+                        self._math.__exit__(*exc)
+                    finally:
+                        self._devices.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -33,10 +33,11 @@ from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, WholeBlocks, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
+from .cudadevice import CudaDevices
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .hoststate import gpu_state_only, ran_capturable_off
-from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_factory, check_model_factory,
-                        check_optimizer, fake_model, short_repr)
+from .factories import (TensorsFromFakeLists, ValuesInStep, ValuesWhileBuilding, check_factories, check_factory,
+                        check_model_factory, check_optimizer, fake_model, short_repr)
 from .fakecheck import FakeKernelCheck
 from .report import format_bytes, html_table
 from .roles import RoleTracker
@@ -89,6 +90,10 @@ class Prediction:
     # Parts of the step not run as the card runs them (an autocast torch disabled before the prediction...), each
     # with what was done instead: gpukit.amp.
     unfollowed: dict[str, str] = field(default_factory=dict)
+    # Values the step read from fake tensors (loss.item(), a truth value), made up as a healthy step's, by kind
+    # ("bool", "float", "int"): gpukit.factories.ValuesInStep. An integer may size something (unverified_ops), and
+    # a truth value decide a branch (unfollowed).
+    made_up: dict[str, int] = field(default_factory=dict)
 
     @property
     def lower_bound(self) -> bool:
@@ -144,6 +149,10 @@ class Prediction:
                  for op, n in self.corrected_ops.items()]
         if self.unverified_ops:
             rows.append(("LOWER BOUND: unchecked ops", ", ".join(self.unverified_ops)))
+        if self.made_up:
+            rows.append(("values made up in the step", ", ".join(
+                f"{n} {kind} ({ValuesInStep.MADE_UP[kind]})" for kind, n in self.made_up.items())
+                + " read from tensors, as a healthy step's"))
         rows += [("NOT AS ON THE CARD", f"{what}: {why}") for what, why in self.unfollowed.items()]
         rows.append(("prediction took", f"{self.seconds:.2f} s"))
         return rows
@@ -203,8 +212,10 @@ def predict(make_model: Callable[[], nn.Module],
         RuntimeError, IndexError...: the real error, where the step would fail for real (a dtype mismatch, wrong
             shapes, class labels or token ids out of range where the batch's values are known): each op small
             enough is run once for real on the CPU (gpukit.fakecheck).
-        RuntimeError: from the step, when it does something fake tensors cannot
-            (reading a value, as ``loss.item()`` does); keep such code out of ``step``.
+        RuntimeError: a prediction for the CPU of a step that names CUDA (``model.cuda()``) on a machine without
+            a GPU: the message says to predict for a card (``device="cuda"``, ``card=``), where the CUDA devices
+            named stand for it (gpukit.cudadevice). Values the step reads from tensors (``loss.item()``) are
+            made up as a healthy step's and counted in ``Prediction.made_up`` (gpukit.factories.ValuesInStep).
     """
     check_factories(make_model, make_optimizer, make_batch)
     if card is not None:
@@ -248,6 +259,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     t0 = time.perf_counter()
     if kind == "cuda":
         rules = CudaRules(card.compute_capability) if card is not None else CudaRules()
+    elif not torch.cuda.is_available():  # a step written for a GPU: torch would say it has no CUDA; say what to do
+        rules = CudaDevices(None)
     else:
         rules = contextlib.nullcontext()
     # The step's torch.autocast("cuda") and GradScaler run as on the card (gpukit.amp). Real tensors the step meets
@@ -276,7 +289,9 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             use_cuda_optimizer_defaults(optimizer)
         # map_tensors reaches into any batch (a transformers BatchEncoding too, which pytree leaves whole)
         batch = map_tensors(lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check), make_batch())
-        with _foreach_warmup(optimizer):
+        # Values the step reads from tensors (loss.item() to log it) are made up as a healthy step's, and named.
+        step_values = ValuesInStep()
+        with _foreach_warmup(optimizer), step_values:
             for _ in range(warmup_steps):
                 step(model, optimizer, batch)
         check.quick = warmup_steps > 0  # the warm-up step met the ops with these shapes and this batch
@@ -297,7 +312,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         try:
             roles.start(plain_tensors_only=True)
             try:
-                step(model, optimizer, batch)
+                with step_values:
+                    step(model, optimizer, batch)
             finally:
                 roles.stop()
         finally:
@@ -310,6 +326,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         unverified["aten._local_scalar_dense"] = (
             f"{values.made_up['int']} integer value(s) read from tensors while building the model, which fake "
             "tensors do not hold, were taken as 1: a size computed from one may differ from a real run's")
+    unfollowed, read = dict(amp.unfollowed), step_values.made_up
+    unverified.update(made_up_in_step(read, unfollowed))
     if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
         workspaces = rules.workspaces()
         unverified.update(rules.unmodelled)
@@ -336,7 +354,21 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
-        card=card.key if card is not None else None, unfollowed=dict(amp.unfollowed))
+        card=card.key if card is not None else None, unfollowed=unfollowed, made_up=dict(read))
+
+
+def made_up_in_step(read: dict[str, int], unfollowed: dict[str, str]) -> dict[str, str]:
+    """What values made up in a predicted step (``ValuesInStep.made_up``) leave unchecked: an integer may have sized
+    a tensor (returned, for ``unverified_ops``); a truth value may have chosen a branch (named in ``unfollowed``)."""
+    if read.get("bool"):
+        unfollowed["truth values read in the step"] = (
+            f"{read['bool']} read from fake tensors (if torch.isnan(loss): ...) were taken as False, a healthy "
+            "step's: a branch on one ran its False side")
+    if not read.get("int"):
+        return {}
+    return {"integers read in the step": (
+        f"{read['int']} integer value(s) read from tensors in the step, which fake tensors do not hold, were taken "
+        "as 1: a size or a count computed from one may differ from a real run's")}
 
 
 @contextlib.contextmanager
@@ -510,7 +542,7 @@ def layer_table(make_model: Callable[[], nn.Module], make_input: Callable[[], An
     check_model_factory(make_model)
     check_factory(make_input, "make_input", "lambda: torch.zeros(...)", builds="the input")
     rows: list[dict] = []
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, TensorsFromFakeLists():
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CudaDevices("cpu"), TensorsFromFakeLists():
         model = fake_model(make_model)
         # an input that already exists (lambda: x) is read through a fake copy, as predict() reads a batch
         x = map_tensors(lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t), make_input())
@@ -537,7 +569,7 @@ def rule_of_thumb(make_model: Callable[[], nn.Module], make_sample: Callable[[],
     """The rule of thumb for a model: ``make_sample`` builds the input of ONE sample (batch of 1)."""
     check_factory(make_sample, "make_sample", "lambda: torch.zeros(1, ...)", builds="the sample")
     rows = layer_table(make_model, make_sample)
-    with FakeTensorMode():
+    with FakeTensorMode(), CudaDevices("cpu"):
         n_params = sum(p.numel() for p in fake_model(make_model).parameters())
     return RuleOfThumb(parameters=n_params, n=optimizer_copies(optimizer), bytes_per_value=bytes_per_value,
                        batch_size=batch_size, activations_per_sample=sum(r["output elements"] for r in rows))

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import importlib
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -159,11 +160,59 @@ class ValuesWhileBuilding(TorchDispatchMode):
         except DataDependentOutputException:
             if func is not torch.ops.aten._local_scalar_dense.default:
                 raise
-            t = args[0]
-            kind = ("bool" if t.dtype is torch.bool else
-                    "float" if t.is_floating_point() or t.is_complex() else "int")
+            kind = _kind(args[0])
             self.made_up[kind] = self.made_up.get(kind, 0) + 1
             return self.MADE_UP[kind]
+
+
+class ValuesInStep(ValuesWhileBuilding):
+    """While a predicted step runs on fake tensors: a value the user's own code reads from a tensor whose values a
+    fake tensor does not hold (``loss.item()`` to log it, ``if torch.isnan(loss):``) is made up as a healthy step's,
+    as ``ValuesWhileBuilding`` makes one up: a truth value ``False`` (no NaN, nothing to skip), a floating-point one
+    ``1.0`` (a loss; nothing divided by it fails), an integer ``1``; each counted by kind in ``made_up``, which the
+    prediction names. A value that a library reads inside its own code (``F.gaussian_nll_loss`` checks its variances,
+    ``torch.optim.ASGD`` branches on its averaging factor: ``read_by_users_code``) is refused as before: how the
+    library goes on may depend on it. Fills run as they are: a step's ``zero_()`` may be what a later op reads."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default or not read_by_users_code():
+                raise
+            kind = _kind(args[0])
+            self.made_up[kind] = self.made_up.get(kind, 0) + 1
+            return self.MADE_UP[kind]
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GPUKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARIES = tuple(os.sep + d + os.sep for d in ("site-packages", "dist-packages"))
+
+
+def read_by_users_code() -> bool:
+    """Whether the code reading a value now (``_local_scalar_dense``) is the user's: the innermost Python frame
+    outside gpukit and torch's machinery (its private modules: dispatch, fake tensors, ``_tensor.py``'s
+    ``__format__``...) is neither torch's public code (``torch.nn.functional``, ``torch.optim``) nor an installed
+    library's (site-packages): a notebook's cell, a script, a test."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_GPUKIT_DIR):
+            frame = frame.f_back
+            continue
+        if name.startswith(_TORCH_DIR):
+            inside = name[len(_TORCH_DIR):].split(os.sep)
+            if any(part.startswith("_") for part in inside) or inside == ["overrides.py"]:
+                frame = frame.f_back
+                continue
+            return False
+        return not any(d in name for d in _LIBRARIES)
+    return False
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "bool" if t.dtype is torch.bool else "float" if t.is_floating_point() or t.is_complex() else "int"
 
 
 class TensorsFromFakeLists(TorchFunctionMode):
@@ -466,4 +515,4 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
            "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
-           "ValuesWhileBuilding", "TensorsFromFakeLists"]
+           "ValuesWhileBuilding", "ValuesInStep", "read_by_users_code", "TensorsFromFakeLists"]

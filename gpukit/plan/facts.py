@@ -16,6 +16,7 @@ from torch import nn
 from .._torch import FakeTensorMode, _disable_current_modes, active_fake_mode
 from ..bigmodel import OptimizerInBackward
 from ..counter import round_up
+from ..cudadevice import CudaDevices
 from ..estimate import storage_bytes
 from ..factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_model, check_optimizer, fake_copy,
                          preload_quietly, quiet_import, real_tensors)
@@ -98,7 +99,8 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     from torch.utils.flop_counter import FlopCounterMode
 
     preload_quietly()
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, TensorsFromFakeLists():
+    # (shapes alone: the CUDA devices the user's code names are the fake CPU tensors, whatever the plan is for)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CudaDevices("cpu"), TensorsFromFakeLists():
         with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
             model = make_model()
         check_model(model)

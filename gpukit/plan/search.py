@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .._torch import FakeTensorMode
+from ..cudadevice import CudaDevices
 from ..estimate import CONTEXT_ALLOWANCE, predict
 from ..factories import TensorsFromFakeLists, this_threads_warnings
 from ..report import format_bytes
@@ -406,7 +407,7 @@ class PlanSearch(Bounds, Ranking):
         if key not in self.copies:
             micro = self.rank_batch // c.accumulate
             copies = [0]
-            with FakeTensorMode(allow_non_fake_inputs=True), TensorsFromFakeLists():
+            with FakeTensorMode(allow_non_fake_inputs=True), CudaDevices("cpu"), TensorsFromFakeLists():
                 model = model_maker(self.make_model, c.precision, lora=c.lora, qlora=c.qlora)()
                 batch = slice_batch(self.make_batch, micro, self.facts.batch_size)()
                 # The forward and the loss, as the step runs them under save_on_cpu, whose place fake_save_on_cpu takes.

@@ -1,0 +1,174 @@
+"""The step as a GPU user writes it names CUDA (``model.cuda()``, ``x.to("cuda")``, ``device="cuda"``) and reads values
+from tensors (``loss.item()`` to log it): predicted for a card, it is the same step as its device-agnostic twin.
+
+Device: the CPU, predicting for a card (``predict(device="cuda")``, ``card="t4"``, ``predict_offload``, ``plan()``)
+on fake tensors; no GPU is used or needed. A CPU-only PyTorch refuses every CUDA device named; the prediction puts the
+device that stands for the card in its place (gpukit.cudadevice), so each figure must equal, to the byte, that of the
+same step written without a device: the same tensors, made in the same order. The refusal of a CPU prediction is
+tested as a machine without a GPU sees it (``torch.cuda.is_available()`` False).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpukit.cudadevice import CudaDevices, names_cuda
+from gpukit.estimate import layer_table, predict
+from gpukit.offload import predict_offload
+from gpukit.plan import Techniques, plan
+
+B, D = 256, 128
+
+
+def make_model(device=None):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D, device=device), nn.ReLU(), nn.Linear(D, 10, device=device))
+
+
+def adamw(params):
+    return torch.optim.AdamW(params)
+
+
+def make_batch():
+    return torch.randn(B, D), torch.randint(0, 10, (B,))
+
+
+def step(model, optimizer, batch):
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+# Each spelling of CUDA: (make_model, make_batch, step), the rest as the device-agnostic ones above.
+SPELLINGS = {
+    "model.cuda()": (lambda: make_model().cuda(), make_batch, step),
+    "model.to('cuda')": (lambda: make_model().to("cuda"), make_batch, step),
+    "model.to(device=torch.device('cuda', 0))": (lambda: make_model().to(device=torch.device("cuda", 0)),
+                                                 make_batch, step),
+    "nn.Linear(..., device='cuda')": (lambda: make_model("cuda"), make_batch, step),
+    "x.cuda(non_blocking=True)": (make_model, lambda: tuple(t.cuda(non_blocking=True) for t in make_batch()), step),
+    "x.pin_memory().to(0)": (make_model, lambda: tuple(t.pin_memory().to(0) for t in make_batch()), step),
+    "torch.randn(..., device='cuda:0')": (make_model, lambda: (torch.randn(B, D, device="cuda:0"),
+                                                               torch.randint(0, 10, (B,), device="cuda:0")), step),
+    "the step's x.to('cuda', non_blocking=True)": (
+        make_model, make_batch, lambda m, o, b: step(m, o, tuple(t.to("cuda", non_blocking=True) for t in b))),
+    "with torch.device('cuda') in make_model": (lambda: _built_under(torch.device("cuda")), make_batch, step),
+}
+
+
+def _built_under(device):
+    with device:
+        return make_model()
+
+
+def events(p) -> list[tuple]:
+    """The simulated allocator's events, each storage named by the order of its allocation (its key is an id, which
+    a later storage may take again once it is freed)."""
+    names: dict = {}
+    out = []
+    for e in p.allocator_events:
+        if e[0] == "a":
+            names[e[1]] = len(out)
+        out.append((e[0], names[e[1]], *e[2:]))
+    return out
+
+
+def figures(p) -> tuple:
+    return p.peak, p.before_step, p.reserved_peak, p.workspaces, events(p), p.unverified_ops
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+@pytest.mark.parametrize("card", [None, "t4"])
+def test_a_step_that_names_cuda_is_predicted_as_its_device_agnostic_twin(spelling, card):
+    model, batch, its_step = SPELLINGS[spelling]
+    twin = predict(make_model, adamw, make_batch, step, device="cuda", card=card)
+    assert figures(predict(model, adamw, batch, its_step, device="cuda", card=card)) == figures(twin)
+    assert twin.device == "cuda" and twin.unverified_ops == {}
+
+
+@pytest.mark.parametrize("spelling", ["model.cuda()", "x.pin_memory().to(0)", "the step's x.to('cuda', non_blocking=True)"])
+def test_predict_offload_puts_what_names_cuda_on_its_simulated_gpu(spelling):
+    model, batch, its_step = SPELLINGS[spelling]
+    twin = predict_offload(make_model, adamw, make_batch, step, card="t4")
+    p = predict_offload(model, adamw, batch, its_step, card="t4")
+    assert (p.device_peak, p.device_state, p.host_peak) == (twin.device_peak, twin.device_state, twin.host_peak)
+
+
+def test_plan_takes_factories_that_name_cuda():
+    techniques = Techniques(precisions=["float32"], accumulate=[1, 2], lora=False, implementations=False)
+    twin = plan(make_model, adamw, make_batch, "2GB", card="t4", techniques=techniques, verify=False)
+    p = plan(lambda: make_model().cuda(), adamw, lambda: tuple(t.to("cuda") for t in make_batch()), "2GB", card="t4",
+             techniques=techniques, verify=False)
+    assert [(r.candidate, r.need, r.verdict) for r in p.rows] == [(r.candidate, r.need, r.verdict) for r in twin.rows]
+    assert p.choice is not None and p.choice.need == twin.choice.need
+
+
+def test_a_layer_table_of_a_model_built_on_cuda_is_the_same():
+    assert layer_table(lambda: make_model().cuda(), lambda: torch.randn(2, D, device="cuda")) == \
+        layer_table(make_model, lambda: torch.randn(2, D))
+
+
+def test_a_cpu_prediction_of_a_step_written_for_a_gpu_says_to_predict_for_a_card(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU (this one, in CI)
+    for model, batch, its_step in (SPELLINGS["model.cuda()"], SPELLINGS["torch.randn(..., device='cuda:0')"]):
+        with pytest.raises(RuntimeError, match=r"predict\(\) for the CPU met .*naming.*device='cuda', or card='t4'"):
+            predict(model, adamw, batch, its_step)
+    # nothing is left half-done: the next prediction is the same as one made before
+    assert figures(predict(make_model, adamw, make_batch, step)) == figures(predict(make_model, adamw, make_batch, step))
+
+
+def test_cuda_is_named_by_any_spelling_and_only_cuda():
+    for device in ("cuda", "cuda:1", " cuda ", torch.device("cuda"), torch.device("cuda", 2), 0, 3):
+        assert names_cuda(device), device
+    for device in ("cpu", "meta", torch.device("cpu"), "mps", None, True, torch.float16):
+        assert not names_cuda(device), device
+    with pytest.raises(ValueError, match="'cpu' or 'meta'"):
+        CudaDevices("cuda")
+
+
+def test_a_copy_asked_for_is_still_a_copy_and_other_devices_are_left_alone():
+    with torch._subclasses.fake_tensor.FakeTensorMode(), CudaDevices("cpu"):
+        x = torch.zeros(4)
+        assert x.cuda() is x and x.to("cuda") is x and x.to("cpu") is x and x.pin_memory() is x
+        copied = x.to("cuda", copy=True)
+        assert copied is not x and copied.device.type == "cpu"
+        assert x.to("meta").device.type == "meta" and x.to(torch.float16).dtype == torch.float16
+
+
+def log(model, optimizer, batch, seen):
+    """The plain step, then what a training loop does with its loss: log it, skip the step on NaN, count."""
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if not torch.isnan(loss):
+        optimizer.step()
+    optimizer.zero_grad()
+    seen.append(loss.item())
+
+
+def test_values_the_step_reads_are_made_up_as_a_healthy_steps_and_named():
+    seen = []
+    p = predict(make_model, adamw, make_batch, lambda m, o, b: log(m, o, b, seen), card="t4")
+    twin = predict(make_model, adamw, make_batch, step, card="t4")
+    assert seen == [1.0, 1.0]  # the warm-up step's and the measured one's
+    assert p.made_up == {"bool": 2, "float": 2}
+    assert (p.peak, p.before_step, p.reserved_peak) == (twin.peak, twin.before_step, twin.reserved_peak)
+    assert not p.lower_bound and "truth values read in the step" in p.unfollowed
+    assert "values made up in the step" in repr(p) and twin.made_up == {}
+
+
+def test_an_integer_the_step_reads_makes_the_prediction_a_lower_bound():
+    """(A count of the batch's labels would be read as it is: the labels' values are followed, gpukit.fakecheck;
+    the model's outputs have none.)"""
+    def step_counting(model, optimizer, batch):
+        x, y = batch
+        out = model(x)
+        right = int((out.argmax(1) == y).sum().item())  # a count read back, which may size what follows
+        (F.cross_entropy(out, y, reduction="sum") / max(right, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    p = predict(make_model, adamw, make_batch, step_counting, device="cuda")
+    assert p.made_up == {"int": 2} and p.lower_bound and "integers read in the step" in p.unverified_ops
