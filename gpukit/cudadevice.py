@@ -12,8 +12,9 @@ prediction for a card: each name goes to the device whose fake tensors stand for
 A CPU-only PyTorch refuses each of these ("PyTorch is not linked with support for cuda devices"; ``Tensor.to(0)``:
 "Cannot access accelerator device when none is available"), before any op reaches a dispatch mode: the Python
 methods set the device up first. Fake CUDA tensors would not do either: autograd aborts the process on the first
-backward through one (gpukit.cudarules). So ``CudaDevices``, a torch-function mode, sees each call before torch's
-C++ does and puts the stand-in in place of every CUDA device it names, whatever its index (``"cuda:1"``, ``0``,
+backward through one (gpukit.cudarules). So ``CudaDevices``, a torch-function mode (within ``gpukit.cudarules``, part
+of the rules' one mode), sees each call before torch's C++ does and puts the stand-in in place of every CUDA device
+it names, whatever its index (``"cuda:1"``, ``0``,
 ``torch.device("cuda", 0)``): the fake CPU tensors of ``predict(device="cuda")``, ``plan()`` and ``on_card()``;
 ``meta`` in ``predict_offload`` and ``on_card(gpu="meta")``, where the CPU is the host. Then:
 
@@ -41,11 +42,13 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaDevices", "names_cuda"]
+__all__ = ["CudaDevices", "DEVICE_METHODS", "names_cuda"]
 
 _TO = torch.Tensor.to
 _CUDA = torch.Tensor.cuda
 _PIN = torch.Tensor.pin_memory
+# The methods that name a device without a keyword (a call with ``device=`` or ``pin_memory=`` may name one too)
+DEVICE_METHODS = frozenset({_TO, _CUDA, _PIN})
 
 
 def names_cuda(device) -> bool:
@@ -88,25 +91,38 @@ class CudaDevices(TorchFunctionMode):
         return self.stand
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        if func in DEVICE_METHODS:
+            return self._method(func, args, kwargs or {})
+        if kwargs and ("device" in kwargs or "pin_memory" in kwargs):  # (most calls name neither: returned at once)
+            kwargs = dict(kwargs)
+            device = kwargs.get("device")
+            if device is not None and _is_device(device) and names_cuda(device):
+                kwargs["device"] = self._stand_in(device, f"{getattr(func, '__name__', 'a call')}(device=...)")
+            if kwargs.get("pin_memory") and self.stand is not None:
+                kwargs["pin_memory"] = False
+            return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
+
+    def _method(self, func, args, kwargs):
+        """``Tensor.cuda``, ``Tensor.to`` and ``Tensor.pin_memory``."""
+        tensor = args[0]
         if func is _CUDA:  # Tensor.cuda(device=None, non_blocking=False, memory_format=torch.preserve_format)
-            tensor = args[0]
-            named = args[1] if len(args) > 1 else kwargs.get("device", "cuda")
+            named = args[1] if len(args) > 1 else kwargs.get("device")
             stand = self._stand_in("cuda" if named is None else named, "Tensor.cuda()")
             moved = {k: v for k, v in kwargs.items() if k in ("non_blocking", "memory_format")}
             if len(args) > 2:
                 moved["non_blocking"] = args[2]
             return _TO(tensor, stand, **moved)
         if func is _PIN:
-            tensor = args[0]
-            if self.stand is None or self.stand.type == "cpu" or tensor.device.type != "cpu":
-                return tensor if self.stand is not None else func(*args, **kwargs)
+            if self.stand is None:
+                return func(*args, **kwargs)
+            if self.stand.type == "cpu" or tensor.device.type != "cpu":
+                return tensor
             return tensor.clone()  # a host copy, as pinning makes one (meta stands for the card: the CPU is the host)
-        if func is _TO and len(args) > 1 and _is_device(args[1]) and names_cuda(args[1]):
-            args = (args[0], self._stand_in(args[1], "Tensor.to()"), *args[2:])
+        # Tensor.to(device, dtype, ...), to(dtype), to(other), to(device=..., ...)
+        if len(args) > 1 and _is_device(args[1]) and names_cuda(args[1]):
+            args = (tensor, self._stand_in(args[1], "Tensor.to()"), *args[2:])
         device = kwargs.get("device")
-        if device is not None and names_cuda(device) and _is_device(device):
-            kwargs["device"] = self._stand_in(device, f"{getattr(func, '__name__', 'a call')}(device=...)")
-        if kwargs.get("pin_memory") and self.stand is not None:
-            kwargs["pin_memory"] = False
+        if device is not None and _is_device(device) and names_cuda(device):
+            kwargs = {**kwargs, "device": self._stand_in(device, "Tensor.to()")}
         return func(*args, **kwargs)

@@ -290,8 +290,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         # map_tensors reaches into any batch (a transformers BatchEncoding too, which pytree leaves whole)
         batch = map_tensors(lambda t: t if isinstance(t, FakeTensor) else _to_fake(t, fake_mode, check), make_batch())
         # Values the step reads from tensors (loss.item() to log it) are made up as a healthy step's, and named.
-        step_values = ValuesInStep()
-        with _foreach_warmup(optimizer), step_values:
+        step_values = check.values = ValuesInStep()
+        with _foreach_warmup(optimizer):
             for _ in range(warmup_steps):
                 step(model, optimizer, batch)
         check.quick = warmup_steps > 0  # the warm-up step met the ops with these shapes and this batch
@@ -312,8 +312,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         try:
             roles.start(plain_tensors_only=True)
             try:
-                with step_values:
-                    step(model, optimizer, batch)
+                step(model, optimizer, batch)
             finally:
                 roles.stop()
         finally:

@@ -165,24 +165,28 @@ class ValuesWhileBuilding(TorchDispatchMode):
             return self.MADE_UP[kind]
 
 
-class ValuesInStep(ValuesWhileBuilding):
+class ValuesInStep:
     """While a predicted step runs on fake tensors: a value the user's own code reads from a tensor whose values a
     fake tensor does not hold (``loss.item()`` to log it, ``if torch.isnan(loss):``) is made up as a healthy step's,
     as ``ValuesWhileBuilding`` makes one up: a truth value ``False`` (no NaN, nothing to skip), a floating-point one
     ``1.0`` (a loss; nothing divided by it fails), an integer ``1``; each counted by kind in ``made_up``, which the
     prediction names. A value that a library reads inside its own code (``F.gaussian_nll_loss`` checks its variances,
     ``torch.optim.ASGD`` branches on its averaging factor: ``read_by_users_code``) is refused as before: how the
-    library goes on may depend on it. Fills run as they are: a step's ``zero_()`` may be what a later op reads."""
+    library goes on may depend on it. ``gpukit.fakecheck.FakeKernelCheck`` asks it (its ``values``), where the read
+    fails: no dispatch mode of its own, which would cost every op of the step."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        except DataDependentOutputException:
-            if func is not torch.ops.aten._local_scalar_dense.default or not read_by_users_code():
-                raise
-            kind = _kind(args[0])
-            self.made_up[kind] = self.made_up.get(kind, 0) + 1
-            return self.MADE_UP[kind]
+    MADE_UP = ValuesWhileBuilding.MADE_UP
+
+    def __init__(self) -> None:
+        self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
+
+    def value(self, t: torch.Tensor) -> bool | float | int | None:
+        """The value made up for ``t.item()`` read by the user's code, counted; None where a library reads it."""
+        if not read_by_users_code():
+            return None
+        kind = _kind(t)
+        self.made_up[kind] = self.made_up.get(kind, 0) + 1
+        return self.MADE_UP[kind]
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

@@ -250,6 +250,9 @@ class FakeKernelCheck(TorchDispatchMode):
         self._seen: set = set()  # funcs met, for ``quick``
         self._fix: set = set()  # funcs with a correction
         self.quick = False  # after a warm-up step: only ops not met yet, or corrected, are looked at
+        # What makes up a value read from a tensor nobody follows (an object with ``value(tensor)``, None where it
+        # refuses: predict's gpukit.factories.ValuesInStep while its steps run); None: every such read is refused.
+        self.values = None
         self._generator = torch.Generator().manual_seed(0)  # made-up values leave the user's random state alone
 
     def __enter__(self):
@@ -284,9 +287,13 @@ class FakeKernelCheck(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.genuine:
-                with _disable_current_modes():
-                    return self.genuine[args[0]].item()  # ``.item()`` of a value that is known for real
+            if func is torch.ops.aten._local_scalar_dense.default:
+                if args[0] in self.genuine:
+                    with _disable_current_modes():
+                        return self.genuine[args[0]].item()  # ``.item()`` of a value that is known for real
+                made = self.values.value(args[0]) if self.values is not None else None
+                if made is not None:
+                    return made
             raise
         except Exception as fake_error:
             real_error = self._real_error(func, args, kwargs)
