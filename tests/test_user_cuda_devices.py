@@ -105,6 +105,26 @@ def test_plan_takes_factories_that_name_cuda():
     assert p.choice is not None and p.choice.need == twin.choice.need
 
 
+@pytest.mark.parametrize("moved", ["cuda", "cpu", torch.float64], ids=["cuda", "cpu", "float64"])
+def test_plan_takes_a_factory_that_moves_or_converts_its_model(moved):
+    """``model.to(...)`` of a fake model swaps its parameters (nn.Module._apply, always for a FakeTensor), which
+    torch refuses for a tensor with weak references; plan()'s facts now build the model as predict() does
+    (gpukit.factories.swappable_fakes)."""
+    techniques = Techniques(precisions=["float32"], accumulate=[1], lora=False, implementations=False)
+    batch = (lambda: tuple(t.double() if t.is_floating_point() else t for t in make_batch())) \
+        if moved is torch.float64 else make_batch
+    p = plan(lambda: make_model().to(moved), adamw, batch, "2GB", card="t4", techniques=techniques, verify=False)
+    assert p.choice is not None
+
+
+def test_plan_verifies_a_step_that_names_cuda_on_the_cpu_of_a_machine_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU (this one, in CI)
+    techniques = Techniques(precisions=["float32"], accumulate=[1], lora=False, implementations=False)
+    p = plan(lambda: make_model().cuda(), adamw, lambda: tuple(t.cuda() for t in make_batch()), "2GB", card="t4",
+             techniques=techniques)
+    assert p.verification.ran and p.verification.fitted, p.verification
+
+
 def test_a_layer_table_of_a_model_built_on_cuda_is_the_same():
     assert layer_table(lambda: make_model().cuda(), lambda: torch.randn(2, D, device="cuda")) == \
         layer_table(make_model, lambda: torch.randn(2, D))

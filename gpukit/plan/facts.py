@@ -19,7 +19,7 @@ from ..counter import round_up
 from ..cudadevice import CudaDevices
 from ..estimate import storage_bytes
 from ..factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_model, check_optimizer, fake_copy,
-                         preload_quietly, quiet_import, real_tensors)
+                         preload_quietly, quiet_import, real_tensors, swappable_fakes)
 from ..step import batch_size, batch_tensors, checkpoint_plan, is_pair_batch, model_loss, own_checkpointing_methods
 
 # -- what the search needs to know about the model -------------------------------------------------------------
@@ -101,7 +101,8 @@ def model_facts(make_model, make_batch, loss=None) -> ModelFacts:
     preload_quietly()
     # (shapes alone: the CUDA devices the user's code names are the fake CPU tensors, whatever the plan is for)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, CudaDevices("cpu"), TensorsFromFakeLists():
-        with ValuesWhileBuilding():  # initialisers that read values (a ViT's trunc_normal_)
+        # initialisers that read values (a ViT's trunc_normal_); model.to(...) of a fake model (gpukit.factories)
+        with ValuesWhileBuilding(), swappable_fakes(fake_mode):
             model = make_model()
         check_model(model)
         existing = bool(real_tensors(model))

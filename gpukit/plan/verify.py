@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..cudadevice import CudaDevices
 from ..report import format_bytes
 from ..step import map_tensors, train_step
 from .candidates import Candidate, Row, Verification
@@ -112,7 +113,9 @@ def run_candidate(make_model, make_optimizer, make_batch, candidate: Candidate, 
     dev = resolve_device(device)
     if candidate.strategy != "single GPU":
         raise ValueError(f"{candidate.strategy} needs several processes: run it with torchrun")
-    with _stand_ins(make_optimizer, dev):
+    # On a machine without CUDA the step runs on the CPU, the CUDA devices its code names too (gpukit.cudadevice)
+    on_cpu = CudaDevices("cpu") if dev.type == "cpu" and not torch.cuda.is_available() else contextlib.nullcontext()
+    with _stand_ins(make_optimizer, dev), on_cpu:
         return _run_candidate(make_model, make_optimizer, make_batch, candidate, limit, dev, seed, timed_steps, loss)
 
 
