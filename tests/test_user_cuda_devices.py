@@ -125,6 +125,24 @@ def test_plan_verifies_a_step_that_names_cuda_on_the_cpu_of_a_machine_without_a_
     assert p.verification.ran and p.verification.fitted, p.verification
 
 
+def test_a_block_on_the_simulated_card_that_names_cuda_is_the_same_block():
+    import gpukit
+
+    peaks = []
+    for spelled in (False, True):
+        cuda = gpukit.SimulatedCuda("t4")
+        try:
+            with gpukit.on_card(cuda):
+                model = make_model().cuda() if spelled else make_model()
+                x, y = (t.cuda(non_blocking=True) for t in make_batch()) if spelled else make_batch()
+                F.cross_entropy(model(x), y).backward()
+                del model, x, y
+            peaks.append((cuda.max_memory_allocated(), cuda.max_memory_reserved()))
+        finally:
+            cuda.close()
+    assert peaks[0] == peaks[1] and peaks[0][0] > 0
+
+
 def test_a_layer_table_of_a_model_built_on_cuda_is_the_same():
     assert layer_table(lambda: make_model().cuda(), lambda: torch.randn(2, D, device="cuda")) == \
         layer_table(make_model, lambda: torch.randn(2, D))
