@@ -171,8 +171,8 @@ class ValuesInStep:
     as ``ValuesWhileBuilding`` makes one up: a truth value ``False`` (no NaN, nothing to skip), a floating-point one
     ``1.0`` (a loss; nothing divided by it fails), an integer ``1``; each counted by kind in ``made_up``, which the
     prediction names. A value that a library reads inside its own code (``F.gaussian_nll_loss`` checks its variances,
-    ``torch.optim.ASGD`` branches on its averaging factor: ``read_by_users_code``) is refused as before: how the
-    library goes on may depend on it. ``gpukit.fakecheck.FakeKernelCheck`` asks it (its ``values``), where the read
+    ``torch.optim.ASGD`` branches on its averaging factor: ``read_by_users_code``) is refused, with an error that
+    names the library's line: how the library goes on may depend on it. ``gpukit.fakecheck.FakeKernelCheck`` asks it (its ``values``), where the read
     fails: no dispatch mode of its own, which would cost every op of the step."""
 
     MADE_UP = ValuesWhileBuilding.MADE_UP
@@ -180,10 +180,16 @@ class ValuesInStep:
     def __init__(self) -> None:
         self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
 
-    def value(self, t: torch.Tensor) -> bool | float | int | None:
-        """The value made up for ``t.item()`` read by the user's code, counted; None where a library reads it."""
-        if not read_by_users_code():
-            return None
+    def value(self, t: torch.Tensor) -> bool | float | int | RuntimeError:
+        """The value made up for ``t.item()`` read by the user's code, counted; where a library reads it, the
+        RuntimeError to raise, which names the library's line."""
+        reader = value_reader()
+        if not read_by_users_code(reader):
+            where = f"{reader[0]}:{reader[1]} ({reader[2]})" if reader is not None else "torch"
+            return RuntimeError(
+                f"aten._local_scalar_dense: {where} reads a value from a fake tensor, which a prediction cannot "
+                "follow: the library goes on by it. Values your own step reads (loss.item()) are made up as a healthy "
+                "step's; a library's are not. Predict the step without that call, or measure it on a GPU")
         kind = _kind(t)
         self.made_up[kind] = self.made_up.get(kind, 0) + 1
         return self.MADE_UP[kind]
@@ -194,25 +200,27 @@ _GPUKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARIES = tuple(os.sep + d + os.sep for d in ("site-packages", "dist-packages"))
 
 
-def read_by_users_code() -> bool:
-    """Whether the code reading a value now (``_local_scalar_dense``) is the user's: the innermost Python frame
-    outside gpukit and torch's machinery (its private modules: dispatch, fake tensors, ``_tensor.py``'s
-    ``__format__``...) is neither torch's public code (``torch.nn.functional``, ``torch.optim``) nor an installed
-    library's (site-packages): a notebook's cell, a script, a test."""
+def value_reader() -> tuple[str, int, str] | None:
+    """The code reading a value now (``_local_scalar_dense``): ``(file, line, function)`` of the innermost Python
+    frame outside gpukit and torch's machinery (its private modules: dispatch, fake tensors, ``_tensor.py``'s
+    ``__format__``...); None where there is none."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_GPUKIT_DIR):
+        inside = name[len(_TORCH_DIR):].split(os.sep) if name.startswith(_TORCH_DIR) else None
+        if name.startswith(_GPUKIT_DIR) or (inside is not None and (
+                any(part.startswith("_") for part in inside) or inside == ["overrides.py"])):
             frame = frame.f_back
             continue
-        if name.startswith(_TORCH_DIR):
-            inside = name[len(_TORCH_DIR):].split(os.sep)
-            if any(part.startswith("_") for part in inside) or inside == ["overrides.py"]:
-                frame = frame.f_back
-                continue
-            return False
-        return not any(d in name for d in _LIBRARIES)
-    return False
+        return name, frame.f_lineno, frame.f_code.co_name
+    return None
+
+
+def read_by_users_code(reader: tuple[str, int, str] | None) -> bool:
+    """Whether ``reader`` (``value_reader()``) is the user's code: neither torch's public code
+    (``torch.nn.functional``, ``torch.optim``) nor an installed library's (site-packages), but a notebook's cell, a
+    script, a test."""
+    return reader is not None and not reader[0].startswith(_TORCH_DIR) and not any(d in reader[0] for d in _LIBRARIES)
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -519,4 +527,4 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
            "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
-           "ValuesWhileBuilding", "ValuesInStep", "read_by_users_code", "TensorsFromFakeLists"]
+           "ValuesWhileBuilding", "ValuesInStep", "value_reader", "read_by_users_code", "TensorsFromFakeLists"]

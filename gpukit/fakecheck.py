@@ -250,8 +250,8 @@ class FakeKernelCheck(TorchDispatchMode):
         self._seen: set = set()  # funcs met, for ``quick``
         self._fix: set = set()  # funcs with a correction
         self.quick = False  # after a warm-up step: only ops not met yet, or corrected, are looked at
-        # What makes up a value read from a tensor nobody follows (an object with ``value(tensor)``, None where it
-        # refuses: predict's gpukit.factories.ValuesInStep while its steps run); None: every such read is refused.
+        # What makes up a value read from a tensor nobody follows (an object whose ``value(tensor)`` gives it, or the
+        # exception to raise: predict's gpukit.factories.ValuesInStep while its steps run); None: each is refused.
         self.values = None
         self._generator = torch.Generator().manual_seed(0)  # made-up values leave the user's random state alone
 
@@ -286,13 +286,15 @@ class FakeKernelCheck(TorchDispatchMode):
         kwargs = kwargs or {}
         try:
             out = func(*args, **kwargs)
-        except DataDependentOutputException:
+        except DataDependentOutputException as err:
             if func is torch.ops.aten._local_scalar_dense.default:
                 if args[0] in self.genuine:
                     with _disable_current_modes():
                         return self.genuine[args[0]].item()  # ``.item()`` of a value that is known for real
-                made = self.values.value(args[0]) if self.values is not None else None
-                if made is not None:
+                if self.values is not None:
+                    made = self.values.value(args[0])
+                    if isinstance(made, BaseException):
+                        raise made from err
                     return made
             raise
         except Exception as fake_error:

@@ -210,3 +210,15 @@ def test_an_integer_the_step_reads_makes_the_prediction_a_lower_bound():
 
     p = predict(make_model, adamw, make_batch, step_counting, device="cuda")
     assert p.made_up == {"int": 2} and p.lower_bound and "integers read in the step" in p.unverified_ops
+
+
+def test_a_value_a_library_reads_in_the_step_is_refused_naming_the_librarys_line():
+    def step_with_gaussian_nll(model, optimizer, batch):
+        x, _ = batch
+        out = model(x)
+        F.gaussian_nll_loss(out, torch.zeros_like(out), torch.ones_like(out)).backward()  # it checks var >= 0
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match=r"functional\.py:\d+ \(gaussian_nll_loss\) reads a value from a fake "
+                                           r"tensor.*your own step reads \(loss\.item\(\)\) are made up"):
+        predict(make_model, adamw, make_batch, step_with_gaussian_nll, card="t4")
