@@ -326,7 +326,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             f"{values.made_up['int']} integer value(s) read from tensors while building the model, which fake "
             "tensors do not hold, were taken as 1: a size computed from one may differ from a real run's")
     unfollowed, read = dict(amp.unfollowed), step_values.made_up
-    unverified.update(made_up_in_step(read, unfollowed))
+    unverified.update(step_values.name(unfollowed))
     if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
         workspaces = rules.workspaces()
         unverified.update(rules.unmodelled)
@@ -354,20 +354,6 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
         card=card.key if card is not None else None, unfollowed=unfollowed, made_up=dict(read))
-
-
-def made_up_in_step(read: dict[str, int], unfollowed: dict[str, str]) -> dict[str, str]:
-    """What values made up in a predicted step (``ValuesInStep.made_up``) leave unchecked: an integer may have sized
-    a tensor (returned, for ``unverified_ops``); a truth value may have chosen a branch (named in ``unfollowed``)."""
-    if read.get("bool"):
-        unfollowed["truth values read in the step"] = (
-            f"{read['bool']} read from fake tensors (if torch.isnan(loss): ...) were taken as False, a healthy "
-            "step's: a branch on one ran its False side")
-    if not read.get("int"):
-        return {}
-    return {"integers read in the step": (
-        f"{read['int']} integer value(s) read from tensors in the step, which fake tensors do not hold, were taken "
-        "as 1: a size or a count computed from one may differ from a real run's")}
 
 
 @contextlib.contextmanager

@@ -172,8 +172,9 @@ class ValuesInStep:
     ``1.0`` (a loss; nothing divided by it fails), an integer ``1``; each counted by kind in ``made_up``, which the
     prediction names. A value that a library reads inside its own code (``F.gaussian_nll_loss`` checks its variances,
     ``torch.optim.ASGD`` branches on its averaging factor: ``read_by_users_code``) is refused, with an error that
-    names the library's line: how the library goes on may depend on it. ``gpukit.fakecheck.FakeKernelCheck`` asks it (its ``values``), where the read
-    fails: no dispatch mode of its own, which would cost every op of the step."""
+    names the library's line: how the library goes on may depend on it. ``gpukit.fakecheck.FakeKernelCheck`` asks it
+    (its ``values``) where a read fails: no dispatch mode of its own, which would cost every op of the step
+    (``ReadValues`` is one, for a fake run without that check)."""
 
     MADE_UP = ValuesWhileBuilding.MADE_UP
 
@@ -193,6 +194,40 @@ class ValuesInStep:
         kind = _kind(t)
         self.made_up[kind] = self.made_up.get(kind, 0) + 1
         return self.MADE_UP[kind]
+
+    def name(self, unfollowed: dict[str, str]) -> dict[str, str]:
+        """What the values made up leave unchecked: a truth value may have chosen a branch (named in
+        ``unfollowed``); an integer may have sized a tensor (returned, for a prediction's ``unverified_ops``)."""
+        read = self.made_up
+        if read.get("bool"):
+            unfollowed["truth values read in the step"] = (
+                f"{read['bool']} read from fake tensors (if torch.isnan(loss): ...) were taken as False, a healthy "
+                "step's: a branch on one ran its False side")
+        if not read.get("int"):
+            return {}
+        return {"integers read in the step": (
+            f"{read['int']} integer value(s) read from tensors in the step, which fake tensors do not hold, were "
+            "taken as 1: a size or a count computed from one may differ from a real run's")}
+
+
+class ReadValues(TorchDispatchMode):
+    """``ValuesInStep`` as a dispatch mode, for a fake run without a ``FakeKernelCheck`` to ask it
+    (``predict_offload``)."""
+
+    def __init__(self, values: ValuesInStep) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException as err:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            made = self.values.value(args[0])
+            if isinstance(made, BaseException):
+                raise made from err
+            return made
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -527,4 +562,5 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
            "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
-           "ValuesWhileBuilding", "ValuesInStep", "value_reader", "read_by_users_code", "TensorsFromFakeLists"]
+           "ValuesWhileBuilding", "ValuesInStep", "ReadValues", "value_reader", "read_by_users_code",
+           "TensorsFromFakeLists"]

@@ -56,8 +56,8 @@ from .allocator import CachingAllocator, WholeBlocks, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
-from .factories import (TensorsFromFakeLists, ValuesWhileBuilding, check_factories, check_optimizer, fake_model,
-                        swappable_fakes)
+from .factories import (ReadValues, TensorsFromFakeLists, ValuesInStep, ValuesWhileBuilding, check_factories,
+                        check_optimizer, fake_model, swappable_fakes)
 from .report import format_bytes, html_table
 from .step import map_tensors, train_step
 from .traffic import Traffic, copies
@@ -289,6 +289,9 @@ class OffloadPrediction:
     # Parts of the step not run as the card runs them (autocast, which meta tensors do not have), each with what was
     # done instead: gpukit.amp.
     unfollowed: dict[str, str] = field(default_factory=dict)
+    # Values the step's own code read from fake tensors (loss.item()), made up as a healthy step's, by kind
+    # (gpukit.factories.ValuesInStep); a truth value or an integer among them is named in ``unfollowed``.
+    made_up: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_peak(self) -> int:
@@ -394,15 +397,17 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
             made = make_batch()
             batch = map_tensors(to_device, made)
             del made, moved
-            for _ in range(warmup_steps):
-                step(model, optimizer, batch)
+            step_values = ValuesInStep()  # what the step's own code reads from tensors (loss.item()): made up, named
+            with ReadValues(step_values):
+                for _ in range(warmup_steps):
+                    step(model, optimizer, batch)
             collect_young()  # what the warm-up left is freed before the step, not inside it
             on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
             device_state, host_state = kept[0].level, kept[1].level
             blocks = WholeBlocks(simulated)  # the GPU's figures as torch.cuda counts them: each block whole
             watch = simulated.watch()
             try:
-                with copies() as traffic:
+                with copies() as traffic, ReadValues(step_values):
                     step(model, optimizer, batch)
             finally:
                 for tally in reversed(on_step):
@@ -420,6 +425,8 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
     device_step_peak = device.peak
     if blocks.known():  # (as in estimate.predict; the host's memory is not the caching allocator's)
         device_state, device_step_peak = device_state + blocks.before_slack, blocks.step_peak()
+    unfollowed = dict(amp.unfollowed)
+    unfollowed.update(step_values.name(unfollowed))  # (no lower-bound flag here: an integer read is named beside them)
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
     # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
     reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
@@ -428,7 +435,8 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,
                              card=card.key if card is not None else None, workspaces=workspaces,
                              reserved_peak=reserved_peak,
-                             attention_kernels=dict(rules.sdpa), unfollowed=dict(amp.unfollowed))
+                             attention_kernels=dict(rules.sdpa), unfollowed=unfollowed,
+                             made_up=dict(step_values.made_up))
 
 
 __all__ = ["card_kernels", "cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

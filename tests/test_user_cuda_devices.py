@@ -88,7 +88,8 @@ def test_a_step_that_names_cuda_is_predicted_as_its_device_agnostic_twin(spellin
     assert twin.device == "cuda" and twin.unverified_ops == {}
 
 
-@pytest.mark.parametrize("spelling", ["model.cuda()", "x.pin_memory().to(0)", "the step's x.to('cuda', non_blocking=True)"])
+@pytest.mark.parametrize("spelling", ["model.cuda()", "x.pin_memory().to(0)",
+                                      "the step's x.to('cuda', non_blocking=True)"])
 def test_predict_offload_puts_what_names_cuda_on_its_simulated_gpu(spelling):
     model, batch, its_step = SPELLINGS[spelling]
     twin = predict_offload(make_model, adamw, make_batch, step, card="t4")
@@ -154,7 +155,8 @@ def test_a_cpu_prediction_of_a_step_written_for_a_gpu_says_to_predict_for_a_card
         with pytest.raises(RuntimeError, match=r"predict\(\) for the CPU met .*naming.*device='cuda', or card='t4'"):
             predict(model, adamw, batch, its_step)
     # nothing is left half-done: the next prediction is the same as one made before
-    assert figures(predict(make_model, adamw, make_batch, step)) == figures(predict(make_model, adamw, make_batch, step))
+    assert figures(predict(make_model, adamw, make_batch, step)) == \
+        figures(predict(make_model, adamw, make_batch, step))
 
 
 def test_cuda_is_named_by_any_spelling_and_only_cuda():
@@ -195,6 +197,15 @@ def test_values_the_step_reads_are_made_up_as_a_healthy_steps_and_named():
     assert (p.peak, p.before_step, p.reserved_peak) == (twin.peak, twin.before_step, twin.reserved_peak)
     assert not p.lower_bound and "truth values read in the step" in p.unfollowed
     assert "values made up in the step" in repr(p) and twin.made_up == {}
+
+
+def test_predict_offload_makes_up_the_values_the_step_reads_too():
+    seen = []
+    p = predict_offload(make_model, adamw, make_batch, lambda m, o, b: log(m, o, b, seen), card="t4")
+    twin = predict_offload(make_model, adamw, make_batch, step, card="t4")
+    assert seen == [1.0, 1.0] and p.made_up == {"bool": 2, "float": 2} and twin.made_up == {}
+    assert (p.device_peak, p.device_state, p.host_peak) == (twin.device_peak, twin.device_state, twin.host_peak)
+    assert "truth values read in the step" in p.unfollowed
 
 
 def test_an_integer_the_step_reads_makes_the_prediction_a_lower_bound():
