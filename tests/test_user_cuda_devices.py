@@ -8,6 +8,8 @@ same step written without a device: the same tensors, made in the same order. Th
 tested as a machine without a GPU sees it (``torch.cuda.is_available()`` False).
 """
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +235,35 @@ def test_a_value_a_library_reads_in_the_step_is_refused_naming_the_librarys_line
     with pytest.raises(RuntimeError, match=r"functional\.py:\d+ \(gaussian_nll_loss\) reads a value from a fake "
                                            r"tensor.*your own step reads \(loss\.item\(\)\) are made up"):
         predict(make_model, adamw, make_batch, step_with_gaussian_nll, card="t4")
+
+
+def test_torch_cudas_own_calls_in_the_step_run_as_the_simulated_card_can(monkeypatch):
+    """synchronize() orders nothing on the simulated card; empty_cache() is named (the prediction keeps its cached
+    blocks, so reserved memory may be above the card's); a read of the card's memory says where the figures are."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU (this one, in CI)
+    synchronize, empty_cache = torch.cuda.synchronize, torch.cuda.empty_cache
+
+    def timed(model, optimizer, batch):
+        torch.cuda.synchronize()
+        step(model, optimizer, batch)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        other = threading.Thread(target=torch.cuda.empty_cache)  # another thread's: torch's own, not counted
+        other.start()
+        other.join()
+
+    twin = predict(make_model, adamw, make_batch, step, card="t4")
+    p = predict(make_model, adamw, make_batch, timed, card="t4")
+    assert figures(p) == figures(twin) and p.unfollowed["torch.cuda.empty_cache()"].startswith("called 2 time(s)")
+    offloaded = predict_offload(make_model, adamw, make_batch, timed, card="t4")
+    assert "torch.cuda.empty_cache()" in offloaded.unfollowed
+
+    def reporting(model, optimizer, batch):
+        step(model, optimizer, batch)
+        print(torch.cuda.max_memory_allocated())
+
+    with pytest.raises(RuntimeError, match=r"torch.cuda.max_memory_allocated\(\) in a step predicted for a card.*"
+                                           r"p.peak"):
+        predict(make_model, adamw, make_batch, reporting, card="t4")
+    # torch's own functions are back, outside the prediction and on every thread
+    assert torch.cuda.synchronize is synchronize and torch.cuda.empty_cache is empty_cache
