@@ -1,4 +1,5 @@
-"""The step as a GPU user writes it, under a prediction: ``torch.autocast("cuda")`` and a ``GradScaler``.
+"""The step as a GPU user writes it, under a prediction: ``torch.autocast("cuda")``, a ``GradScaler`` and
+``torch.cuda``'s own calls.
 
     scaler = torch.amp.GradScaler("cuda")
 
@@ -29,10 +30,17 @@ runs them as the card does, and prints nothing:
   step, a 512-byte block each on CUDA, counted in what the step starts with; ``unscale_``'s inverse scale (through
   float64), its found_inf, and each one's per-device copy (``_MultiDeviceReplicator.get``: ``copy=True``); the step
   taken, as after a healthy backward (no inf); ``update()`` in place. ``get_scale()`` reads the initial scale.
+* ``torch.cuda``'s own calls, where torch has no GPU (it refuses each: "Torch not compiled with CUDA enabled"):
+  ``synchronize()`` does nothing (the simulated card runs everything in order already); ``empty_cache()`` is named
+  below; a read of the card's memory (``memory_allocated()``, ``max_memory_allocated()``...) raises an error that
+  says where the prediction's figures are.
 * Afterwards every scaler is as it was before (a fake tensor left in the user's scaler would break their next real
   step), and torch's functions are put back, also when the step raises or is interrupted.
 
 Not followed as the card would run it, and named in ``unfollowed`` (the prediction's field of that name):
+
+* ``torch.cuda.empty_cache()``, where torch has no GPU: not run on the simulated card, whose cached blocks are kept,
+  so the reserved memory predicted may be above the card's (allocated memory is the same).
 
 * A ``GradScaler("cuda")`` that is disabled when the step meets it, on a machine without a GPU: torch disabled it
   when it was made (warning then), or it was made with ``enabled=False``; torch keeps nothing that tells which. It
@@ -48,6 +56,7 @@ Not followed as the card would run it, and named in ``unfollowed`` (the predicti
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -89,6 +98,7 @@ class CardAmp:
         self._adopted: dict[int, tuple[weakref.ref, dict]] = {}
         self._own: dict[int, weakref.ref] = {}  # gpukit's ScalerThatAlwaysSteps met, by id: run as they are
         self._mirrored: list = []  # (autocast region, the device's (enabled, dtype) before it), innermost last
+        self._emptied = 0  # torch.cuda.empty_cache() calls met where torch has no GPU
 
     # -- the block ------------------------------------------------------------------------------------------------
     def __enter__(self) -> "CardAmp":
@@ -157,6 +167,21 @@ class CardAmp:
                 "enabled=False: predicted enabled, as the card makes it (a disabled one keeps 1 KiB less)")
         start_scaler_afresh(scaler, enable=enable)
 
+    # -- torch.cuda's own calls, where torch has no GPU ----------------------------------------------------------------
+    def cuda_call(self, name: str) -> None:
+        """``torch.cuda.<name>()`` in the step, where torch has no GPU (module docstring)."""
+        if name == "empty_cache":
+            self._emptied += 1
+            self.unfollowed["torch.cuda.empty_cache()"] = (
+                f"called {self._emptied} time(s) in the steps predicted, and not run on the simulated card: its cached "
+                "blocks were kept, so the reserved memory predicted may be above the card's (allocated memory is the "
+                "same)")
+        elif name != "synchronize":
+            raise RuntimeError(
+                f"torch.cuda.{name}() in a step predicted for a card, on a machine without a GPU: the card's figures "
+                "are the prediction's (p.peak, p.step_peak, p.reserved_peak). To read torch.cuda's own calls on a "
+                "simulated card, run the step in `with gpukit.on_card(gpukit.SimulatedCuda('t4')):` and ask that card")
+
     # -- autocast -------------------------------------------------------------------------------------------------
     def _mirror(self, region) -> None:
         """``region`` (a torch.autocast) was entered: where it is the card's, the fake device autocasts as it says."""
@@ -210,6 +235,22 @@ def _bf16_supported(including_emulation: bool = True):
     return _INSTALLED["is_bf16_supported"](including_emulation)
 
 
+# torch.cuda's functions a step may call, which torch refuses where it has no GPU (CardAmp.cuda_call)
+_CUDA_CALLS = ("synchronize", "empty_cache", "memory_allocated", "max_memory_allocated", "memory_reserved",
+               "max_memory_reserved", "reset_peak_memory_stats", "memory_stats", "memory_summary", "mem_get_info")
+
+
+def _cuda_call(name: str, original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        amp = _active()
+        if amp is None or not amp.cuda or torch.cuda.is_available():
+            return original(*args, **kwargs)
+        return amp.cuda_call(name)
+
+    return call
+
+
 def _scaler_method(name: str):
     original = getattr(torch.amp.GradScaler, name)
 
@@ -249,6 +290,9 @@ def _do_install() -> None:
     common.amp_definitely_not_available = _not_available
     _INSTALLED["is_bf16_supported"] = cuda.is_bf16_supported
     cuda.is_bf16_supported = _bf16_supported
+    calls = _INSTALLED["cuda_calls"] = {name: getattr(cuda, name) for name in _CUDA_CALLS}
+    for name, original in calls.items():
+        setattr(cuda, name, _cuda_call(name, original))
 
     step_rule = _INSTALLED["step_rule"] = scaler_step_rule()
 
@@ -323,6 +367,8 @@ def _restore() -> None:
         setattr(scaler, name, original)
     if "step_rule" in _INSTALLED:
         set_scaler_step_rule(_INSTALLED.pop("step_rule"))
+    for name, original in _INSTALLED.pop("cuda_calls", {}).items():
+        setattr(cuda, name, original)
     if "is_bf16_supported" in _INSTALLED:
         cuda.is_bf16_supported = _INSTALLED.pop("is_bf16_supported")
     if "amp_definitely_not_available" in _INSTALLED:

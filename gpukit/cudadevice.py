@@ -36,22 +36,15 @@ A prediction for the CPU (``predict()``'s default) on a machine without CUDA use
 CUDA device named raises a RuntimeError that says to predict for a card (``device="cuda"`` or ``card=``), where torch
 would say that it has no CUDA.
 
-``torch.cuda``'s own calls in such a step are ``CudaCalls``'s, on a machine without CUDA: ``synchronize()`` does
-nothing, ``empty_cache()`` is counted and named (``emptied_cache``), a read of the card's memory raises an error that
-says where the prediction's figures are.
+``torch.cuda``'s own calls in such a step (``synchronize()``, ``empty_cache()``) are ``gpukit.amp``'s.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .counter import INTERRUPTS
-
-__all__ = ["CudaCalls", "CudaDevices", "DEVICE_METHODS", "emptied_cache", "names_cuda"]
+__all__ = ["CudaDevices", "DEVICE_METHODS", "names_cuda"]
 
 _TO = torch.Tensor.to
 _CUDA = torch.Tensor.cuda
@@ -62,16 +55,12 @@ DEVICE_METHODS = frozenset({_TO, _CUDA, _PIN})
 
 def names_cuda(device) -> bool:
     """Whether ``device`` names a CUDA device: ``"cuda"``, ``"cuda:N"``, a ``torch.device`` of type cuda, or a bare
-    index (torch takes an int as a CUDA device's)."""
+    index (torch takes an int as a CUDA device's); anything else (a dtype, a tensor, None) does not."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
         return device.split(":", 1)[0].strip() == "cuda"
     return isinstance(device, int) and not isinstance(device, bool)
-
-
-def _is_device(value) -> bool:
-    return isinstance(value, (str, torch.device)) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 class CudaDevices(TorchFunctionMode):
@@ -80,21 +69,19 @@ class CudaDevices(TorchFunctionMode):
     Args:
         stand: "cpu" or "meta", the device whose fake tensors stand for the card; None: a prediction for the CPU on
             a machine without CUDA, where a CUDA device named raises a RuntimeError that says what to do.
-        what: the call being run, for that error ("predict()", "plan()"...).
     """
 
-    def __init__(self, stand: str | None = "cpu", what: str = "predict()") -> None:
+    def __init__(self, stand: str | None = "cpu") -> None:
         super().__init__()
         if stand not in (None, "cpu", "meta"):
             raise ValueError(f"stand={stand!r}: 'cpu' or 'meta', the device whose fake tensors stand for the card, "
                              "or None")
         self.stand = None if stand is None else torch.device(stand)
-        self.what = what
 
     def _stand_in(self, named, call: str) -> torch.device:
         if self.stand is None:
             raise RuntimeError(
-                f"{self.what} for the CPU met {call} naming {named!r}: the step is written for a GPU, which this "
+                f"predict() for the CPU met {call} naming {named!r}: the step is written for a GPU, which this "
                 "machine does not have. Predict it for one: device='cuda', or card='t4' (or another card's name: "
                 "gpukit.cards), and the CUDA devices it names stand for that card")
         return self.stand
@@ -105,7 +92,7 @@ class CudaDevices(TorchFunctionMode):
         if kwargs and ("device" in kwargs or "pin_memory" in kwargs):  # (most calls name neither: returned at once)
             kwargs = dict(kwargs)
             device = kwargs.get("device")
-            if device is not None and _is_device(device) and names_cuda(device):
+            if names_cuda(device):
                 kwargs["device"] = self._stand_in(device, f"{getattr(func, '__name__', 'a call')}(device=...)")
             if kwargs.get("pin_memory") and self.stand is not None:
                 kwargs["pin_memory"] = False
@@ -129,105 +116,8 @@ class CudaDevices(TorchFunctionMode):
                 return tensor
             return tensor.clone()  # a host copy, as pinning makes one (meta stands for the card: the CPU is the host)
         # Tensor.to(device, dtype, ...), to(dtype), to(other), to(device=..., ...)
-        if len(args) > 1 and _is_device(args[1]) and names_cuda(args[1]):
+        if len(args) > 1 and names_cuda(args[1]):
             args = (tensor, self._stand_in(args[1], "Tensor.to()"), *args[2:])
-        device = kwargs.get("device")
-        if device is not None and _is_device(device) and names_cuda(device):
-            kwargs = {**kwargs, "device": self._stand_in(device, "Tensor.to()")}
+        if names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": self._stand_in(kwargs["device"], "Tensor.to()")}
         return func(*args, **kwargs)
-
-
-# -- torch.cuda's own calls in a predicted step, on a machine without a GPU -------------------------------------------
-
-_CALLS = threading.local()   # .stack: the CudaCalls blocks open on this thread, innermost last
-_PATCH = threading.Lock()
-_SAVED: dict = {}            # torch.cuda's functions replaced, while any CudaCalls block is open in the process
-_OPEN = [0]
-_READS = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-          "reset_peak_memory_stats", "memory_stats", "memory_summary", "mem_get_info")
-
-
-class CudaCalls:
-    """While open on this thread, on a machine without CUDA: ``torch.cuda``'s own calls in the step of a prediction
-    for a card, which torch would refuse ("Torch not compiled with CUDA enabled"). ``synchronize()`` does nothing (the
-    simulated card runs everything in order already); ``empty_cache()`` is counted in ``empty_cache_calls`` (the
-    prediction runs without it, so its reserved memory may be above the card's, and it says so); a read of the
-    card's memory (``memory_allocated()``, ``max_memory_allocated()``...) raises a RuntimeError that says where the
-    prediction's figures are. Other threads, and every call outside the block, get torch's own functions."""
-
-    def __init__(self) -> None:
-        self.empty_cache_calls = 0
-
-    def __enter__(self) -> "CudaCalls":
-        INTERRUPTS.hold()  # Ctrl-C waits until torch.cuda is fully patched, or fully put back
-        opened = False
-        try:
-            with _PATCH:
-                if _OPEN[0] == 0:
-                    for name in ("synchronize", "empty_cache", *_READS):
-                        _SAVED[name] = getattr(torch.cuda, name)
-                        setattr(torch.cuda, name, _wrapper(name))
-                _OPEN[0] += 1
-                opened = True
-            _CALLS.__dict__.setdefault("stack", []).append(self)
-            INTERRUPTS.deliver()  # one that came while opening: undo, then raise it
-        except BaseException:
-            try:
-                self._close(opened)
-            finally:
-                INTERRUPTS.release()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        try:
-            self._close(True)
-        finally:
-            INTERRUPTS.release()  # an interrupt held back while closing is raised here
-        return False
-
-    def _close(self, opened: bool) -> None:
-        stack = getattr(_CALLS, "stack", [])
-        if self in stack:
-            stack.remove(self)
-        if not opened:
-            return
-        with _PATCH:
-            _OPEN[0] -= 1
-            if _OPEN[0] == 0:
-                for name, function in _SAVED.items():
-                    setattr(torch.cuda, name, function)
-                _SAVED.clear()
-
-
-INTERRUPTS.protect(CudaCalls.__enter__, CudaCalls.__exit__, CudaCalls._close)
-
-
-def _wrapper(name: str):
-    original = _SAVED[name]
-
-    @functools.wraps(original)
-    def call(*args, **kwargs):
-        stack = getattr(_CALLS, "stack", None)
-        if not stack:
-            return original(*args, **kwargs)
-        if name == "synchronize":
-            return None
-        if name == "empty_cache":
-            stack[-1].empty_cache_calls += 1
-            return None
-        raise RuntimeError(
-            f"torch.cuda.{name}() in a step predicted for a card, on a machine without a GPU: the card's figures are "
-            "the prediction's (p.peak, p.step_peak, p.reserved_peak). To read torch.cuda's own calls on a simulated "
-            "card, run the step in `with gpukit.on_card(gpukit.SimulatedCuda('t4')):` and ask that card")
-
-    return call
-
-
-def emptied_cache(calls, unfollowed: dict[str, str]) -> None:
-    """Name in ``unfollowed`` the ``torch.cuda.empty_cache()`` calls a ``CudaCalls`` block met (anything else: none)."""
-    n = getattr(calls, "empty_cache_calls", 0)
-    if n:
-        unfollowed["torch.cuda.empty_cache()"] = (
-            f"called {n} time(s) in the steps predicted, and not run on the simulated card: its cached blocks were "
-            "kept, so the reserved memory predicted may be above the card's (allocated memory is the same)")

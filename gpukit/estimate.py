@@ -33,7 +33,7 @@ from ._torch import FakeTensor, FakeTensorMode
 from .allocator import CONTEXT_ALLOWANCE, WholeBlocks, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
-from .cudadevice import CudaCalls, CudaDevices, emptied_cache
+from .cudadevice import CudaDevices
 from .cudarules import TORCH_RULES_VERSION, CudaRules, use_cuda_optimizer_defaults
 from .hoststate import gpu_state_only, ran_capturable_off
 from .factories import (TensorsFromFakeLists, ValuesInStep, ValuesWhileBuilding, check_factories, check_factory,
@@ -263,13 +263,12 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         rules = CudaDevices(None)
     else:
         rules = contextlib.nullcontext()
-    # The step's torch.autocast("cuda") and GradScaler run as on the card (gpukit.amp). Real tensors the step meets
+    # The step's torch.autocast("cuda"), GradScaler and torch.cuda calls run as on the card (gpukit.amp). Real
+    # tensors the step meets
     # (a batch sliced from real data, say) become fake ones.
     amp = CardAmp("cpu", cuda=kind == "cuda", capability=getattr(rules, "capability", (9, 0)))
     # (TensorsFromFakeLists: torch.tensor of a list of the step's fake tensors, as the build gets it too)
-    # torch.cuda's own calls in the step (synchronize(), empty_cache()), where torch has no GPU to ask
-    calls = CudaCalls() if kind == "cuda" and not torch.cuda.is_available() else contextlib.nullcontext()
-    with amp, calls, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
+    with amp, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
             TensorsFromFakeLists(), follow(FAKE_LEDGER, fresh=True) as simulated:
         # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
@@ -329,7 +328,6 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
             "tensors do not hold, were taken as 1: a size computed from one may differ from a real run's")
     unfollowed = dict(amp.unfollowed)
     unverified.update(step_values.name(unfollowed))
-    emptied_cache(calls, unfollowed)
     if kind == "cuda":  # allocated by the first matrix product and kept: part of the state before the step
         workspaces = rules.workspaces()
         unverified.update(rules.unmodelled)

@@ -54,7 +54,6 @@ from torch.overrides import TorchFunctionMode
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
 from .allocator import CachingAllocator, WholeBlocks, follow
 from .amp import CardAmp
-from .cudadevice import CudaCalls, emptied_cache
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .factories import (ReadValues, TensorsFromFakeLists, ValuesInStep, ValuesWhileBuilding, check_factories,
@@ -371,10 +370,10 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
     t0 = time.perf_counter()
     # The simulated caching allocator follows the simulated GPU's storages alone (the host's are another allocator's:
     # pinned or pageable host memory), from the model's first tensor on, as in predict().
-    # The step's torch.autocast("cuda") and GradScaler run as on the card, as far as meta tensors allow (gpukit.amp).
+    # The step's torch.autocast("cuda"), GradScaler and torch.cuda calls run as on the card, as far as meta tensors
+    # allow (gpukit.amp).
     amp = CardAmp(SIMULATED_DEVICE, cuda=True, capability=rules.capability)
-    calls = CudaCalls() if not torch.cuda.is_available() else contextlib.nullcontext()  # (torch.cuda's own calls)
-    with amp, calls, gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+    with amp, gc_paused(full=True) as collect_young, FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             cuda_stand_ins(), card_kernels(rules.capability), rules, TensorsFromFakeLists(), \
             follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
@@ -428,8 +427,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
     if blocks.known():  # (as in estimate.predict; the host's memory is not the caching allocator's)
         device_state, device_step_peak = device_state + blocks.before_slack, blocks.step_peak()
     unfollowed = dict(amp.unfollowed)
-    unfollowed.update(step_values.name(unfollowed))
-    emptied_cache(calls, unfollowed)  # (no lower-bound flag here: an integer read is named beside them)
+    unfollowed.update(step_values.name(unfollowed))  # (no lower-bound flag here: an integer read is named beside them)
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
     # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
     reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
