@@ -264,8 +264,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     else:
         rules = contextlib.nullcontext()
     # The step's torch.autocast("cuda"), GradScaler and torch.cuda calls run as on the card (gpukit.amp). Real
-    # tensors the step meets
-    # (a batch sliced from real data, say) become fake ones.
+    # tensors the step meets (a batch sliced from real data, say) become fake ones.
     amp = CardAmp("cpu", cuda=kind == "cuda", capability=getattr(rules, "capability", (9, 0)))
     # (TensorsFromFakeLists: torch.tensor of a list of the step's fake tensors, as the build gets it too)
     with amp, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \

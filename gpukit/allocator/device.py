@@ -10,7 +10,7 @@ import threading
 import torch
 
 from .caching import POOL_NAMES, CachingAllocator, format_size
-from .config import CONTEXT_ALLOWANCE, AllocatorConfig, kMinBlockSize
+from .config import CONTEXT_ALLOWANCE, AllocatorConfig
 
 
 class SimulatedDevice:
@@ -454,12 +454,13 @@ class WholeBlocks:
     gpukit.offload); it resets the allocator's peak statistics (the ``watch`` cells follow reserved memory)."""
 
     def __init__(self, device: SimulatedDevice) -> None:
+        from ..counter import round_up  # (the counter's 512-byte rule; imported late, as LEDGER is below)
+
         self.device, alloc = device, device.allocator  # up to date: every event applied
         self.attached = device.ledger is not None  # (a device no counter feeds knows no storage's size)
         sizes = device.ledger.sizes if self.attached else {}
         self.start = alloc.memory_allocated()
-        self.before_slack = self.start - sum(-(-sizes[k] // kMinBlockSize) * kMinBlockSize
-                                             for k in device.addr if k in sizes)
+        self.before_slack = self.start - sum(round_up(sizes[k]) for k in device.addr if k in sizes)
         alloc.reset_peak_stats()
 
     def known(self) -> bool:
