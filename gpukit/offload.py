@@ -292,6 +292,9 @@ class OffloadPrediction:
     # Values the step's own code read from fake tensors (loss.item()), made up as a healthy step's, by kind
     # (gpukit.factories.ValuesInStep); a truth value or an integer among them is named in ``unfollowed``.
     made_up: dict[str, int] = field(default_factory=dict)
+    # What the card runs that the prediction could not follow (op -> why: cuDNN's workspaces, sized by the algorithm
+    # cuDNN picks at run time; gpukit.cudarules): the GPU's peak may be higher
+    unverified_ops: dict[str, str] = field(default_factory=dict)
 
     @property
     def device_peak(self) -> int:
@@ -300,6 +303,12 @@ class OffloadPrediction:
     @property
     def host_peak(self) -> int:
         return self.host_state + self.host_step_peak
+
+    @property
+    def lower_bound(self) -> bool:
+        """True where the card runs something the prediction could not follow (``unverified_ops``): the GPU's peak
+        may be higher."""
+        return bool(self.unverified_ops)
 
     def _rows(self) -> list[tuple[str, str]]:
         c = self.copies
@@ -312,6 +321,7 @@ class OffloadPrediction:
                 ("copied to the host per step", f"{format_bytes(c.device_to_host)} in {c.copies_to_host} copies"),
                 ("copied to the GPU per step", f"{format_bytes(c.host_to_device)} in {c.copies_to_device} copies"),
                 *[("NOT AS ON THE CARD", f"{what}: {why}") for what, why in self.unfollowed.items()],
+                *([("LOWER BOUND: unchecked ops", ", ".join(self.unverified_ops))] if self.unverified_ops else []),
                 ("prediction took", f"{self.seconds:.2f} s")]
 
     TITLE = "predicted training step, GPU and host (fake tensors, nothing allocated)"
@@ -437,7 +447,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
                              card=card.key if card is not None else None, workspaces=workspaces,
                              reserved_peak=reserved_peak,
                              attention_kernels=dict(rules.sdpa), unfollowed=unfollowed,
-                             made_up=dict(step_values.made_up))
+                             made_up=dict(step_values.made_up), unverified_ops=dict(rules.unmodelled))
 
 
 __all__ = ["card_kernels", "cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

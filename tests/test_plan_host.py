@@ -51,7 +51,7 @@ ONLY_OPTIMIZERS = Techniques(precisions=("float32",), accumulate=[1], checkpoint
 SEARCHED = Techniques(precisions=("float32", "bf16 weights"), accumulate=[1, 2], offload=False, lora=False)
 
 
-def small_plan(budget=BUDGET, **kwargs):
+def small_plan(budget=BUDGET, make_model=make_model, make_batch=make_batch, **kwargs):
     options = dict(device="cuda", card=NO_ALLOWANCE, techniques=ONLY_OPTIMIZERS, alternatives=0)
     options.update(kwargs)
     return plan(make_model, adamw, make_batch, budget, **options)
@@ -208,3 +208,21 @@ def test_host_candidates_the_search_prunes_by_a_bound_need_at_least_that_bound()
     assert pruned and all(r.need is None and r.bound > search.limit for r in pruned)
     for r in pruned:
         assert r.bound <= search.evaluate(r.candidate).need, r.candidate
+
+
+def test_a_convnets_host_rows_say_their_need_is_a_lower_bound_as_its_other_rows_do():
+    """Device: cpu, a plan for CUDA (an H100's rules). cuDNN's convolution workspaces are sized by the algorithm it
+    picks on the card: every predicted row of a plan for this file's model behind a convolution names its need a
+    lower bound, the host rows (predict_offload's simulated GPU) as the others, where they said nothing."""
+    def convnet():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Flatten(), make_model())
+
+    def images():
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(8, 1, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    p = small_plan(make_model=convnet, make_batch=images, verify=False)
+    predicted = [r for r in p.rows if r.prediction is not None]
+    assert {HOST, HOST_GRADS} <= {r.candidate.optimizer for r in predicted}
+    assert all(r.lower_bound for r in predicted)

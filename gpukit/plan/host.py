@@ -174,7 +174,8 @@ def evaluate(search, c: Candidate) -> Row:
         fits = False
     row = Row(c, verdict, fits, peak=peak, reserved=reserved, need=need, how="; ".join(how),
               slowdown=search.slowdown(c, copies), numerics=rank, numerics_note=note, tolerance=tol,
-              copy_bytes=copies, host_peak=host_peak, prediction=p, libraries=search.libraries(c))
+              copy_bytes=copies, host_peak=host_peak, prediction=p, libraries=search.libraries(c),
+              lower_bound=p.lower_bound)  # (what the card runs that it could not follow: cuDNN's workspaces)
     search.rows[c] = row
     return row
 
