@@ -19,6 +19,17 @@ from the GPU's (``trace_difference``: the sizes in order, matched as ``difflib``
 simulated allocator reserves when it runs the GPU's own events (``trace_replay_reserved_bytes``): the first says
 what the step allocated that the prediction did not, the second whether the allocator's rules or the events differ.
 
+A run recorded before the matrix emptied the cache before each row (the H100's of 2026-11-25: its CSV has no
+reserved memory) measured each row after everything its process had run before it: ``kit.py gpu-check`` ran the
+exactness benchmark's CUDA cases, then the matrix's rows in order, in one process that never emptied the cache. A
+tensor then takes a cached block that an earlier row left, whole where 1 MiB or less would remain, which counts in
+``torch.cuda.memory_allocated()``: the convnet's rows there measured 786,432 B more than the same rows on the H200,
+from an emptied cache, with the same torch. Such a run's rows are predicted as its process ran them
+(``RecordingProcess``): each prediction's allocator events, in the process's order, through one simulated caching
+allocator that keeps its cache; the workspaces as the run's warm-up left them (its gpu-check report), and those a
+row's step takes beyond them made in that row, as the process made them. The rows' figures from an emptied cache
+are kept beside (``fresh_peak_bytes``, ``fresh_state_bytes``).
+
 Writes bench/out/recorded_runs.csv. With ``--record`` (on the machine that recorded a run: ``kit.py gpu-check`` runs
 it so), the predicted figures are also written into that run's own CSV in data/runs/, beside the measured ones, with
 the gpukit and torch that predicted them.
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import re
 import time
 from pathlib import Path
 
@@ -37,9 +49,13 @@ import torch
 from results import TRACES, write_csv
 
 from gpukit._torch import ScalerThatAlwaysSteps
+from gpukit.allocator import CachingAllocator
 from gpukit.allocator.replay import load_snapshot, replay
 from gpukit.cards import card as card_named
-from gpukit.estimate import predict
+from gpukit.counter import round_up
+from gpukit.cudarules import cublas_workspace_bytes, cublaslt_workspace_bytes
+from gpukit.estimate import default_step, predict
+from gpukit.lessons.models import reference_cases
 from gpukit.lessons.runs import RUNS_DIR
 from gpukit.lessons.techniques import TECHNIQUES, reference_setups, trace_name
 from gpukit.offload import predict_offload
@@ -48,20 +64,108 @@ from gpukit.step import half_with_float_batchnorm, train_step
 TOLERANCE = 0.005  # the issue's bar: 0.5% of the measured figure
 
 
-def recorded_rows(folder: Path = RUNS_DIR) -> list[dict]:
-    """Every row of every recorded run in ``folder`` that a GPU measured (device_type cuda, status ok)."""
+def recorded_rows(folder: Path = RUNS_DIR, every: bool = False) -> list[dict]:
+    """Every row of every recorded run in ``folder`` that a GPU measured (device_type cuda, status ok), in the
+    order each run measured them; ``every``: the rows that were not measured too (a technique the card cannot run,
+    a row that failed), which a process that kept its cache ran between the others."""
     rows = []
     for path in sorted(folder.glob("*.csv")):
         with path.open() as f:
             rows += [dict(r, run=path.name) for r in csv.DictReader(f)
-                     if r.get("device_type") == "cuda" and r.get("status") == "ok"]
+                     if r.get("device_type") == "cuda" and (every or r.get("status") == "ok")]
     return rows
 
 
-def predict_row(row: dict, trace: Path | None = None) -> dict:
+class RecordingProcess:
+    """The CUDA caching allocator of a process that recorded a run without emptying its cache between rows, replayed
+    on the simulated one (gpukit.allocator.CachingAllocator, the card's memory): every prediction ``run`` here goes
+    on from the cache the ones before it left, as the process's rows went on from one another's.
+
+    ``warmed``: the bytes the process's first warm-up left allocated (cuBLAS's and cuBLASLt's workspaces, one
+    cudaMalloc'd block each: aten/src/ATen/cuda/CublasHandlePool.cpp; kept for the process's life). A prediction
+    whose step takes more workspaces than were made before it (a checkpointed Linear recomputed on backward's
+    thread, which the warm-up did not make take one) makes them at its start, inside its state, as the process did.
+    """
+
+    def __init__(self, card, warmed: int) -> None:
+        self.card, self.made = card, 0
+        self.allocator = CachingAllocator(card.device_bytes)
+        self._make_workspaces(warmed)
+
+    def _make_workspaces(self, nbytes: int) -> None:
+        sm90 = self.card.compute_capability == (9, 0)
+        big, small = cublas_workspace_bytes(sm90), cublaslt_workspace_bytes(sm90)
+        blocks, rest = divmod(nbytes, big)
+        lt, rest = divmod(rest, small)
+        if rest:
+            raise ValueError(f"{nbytes:,} B of workspaces are no sum of cuBLAS's ({big:,} B) and cuBLASLt's "
+                             f"({small:,} B) on the {self.card.name}")
+        for n in [big] * blocks + [small] * lt:
+            self.allocator.malloc(round_up(n))
+        self.made += nbytes
+
+    def run(self, p) -> tuple[int, int]:
+        """Run a prediction's allocator events (``Prediction``'s or ``OffloadPrediction``'s) here, then free what
+        they left (the row's objects die with it); returns ``(state, peak)`` as ``torch.cuda.memory_allocated()``
+        counted them in the process: the allocated bytes its build and warm-up added, and those plus the most its
+        step added."""
+        alloc, addr = self.allocator, {}
+        malloc, free = alloc.malloc, alloc.free
+
+        def apply(events):
+            for e in events:
+                if e[0] == "a":
+                    old, addr[e[1]] = addr.get(e[1]), malloc(e[2])
+                    if old is not None:  # (a key whose storage died unseen: as SimulatedDevice frees it)
+                        free(old)
+                elif e[1] in addr:
+                    free(addr.pop(e[1]))
+
+        start = alloc.memory_allocated()
+        if p.workspaces > self.made:
+            self._make_workspaces(p.workspaces - self.made)
+        events, k = p.allocator_events, p.step_events_from
+        apply(events[:k])
+        at = alloc.memory_allocated()
+        alloc.reset_peak_stats()
+        apply(events[k:])
+        peak = alloc.max_memory_allocated() - start
+        for a in addr.values():
+            free(a)
+        return at - start, peak
+
+
+def kept_its_cache(run_rows: list[dict]) -> bool:
+    """Whether a recorded run measured its rows without emptying the cache between them: the matrix empties it
+    before each row since it records reserved memory (2026-11-28), and a run recorded before has no such column."""
+    return bool(run_rows) and "reserved_bytes" not in run_rows[0]
+
+
+def recording_process(run: str, folder: Path = RUNS_DIR) -> RecordingProcess:
+    """The process that recorded ``run`` (a CSV's name in ``folder``), replayed up to its matrix's first row: the
+    warm-up's workspaces, as its gpu-check report (``<run>-gpu-check.txt``) gives them, then the exactness
+    benchmark's CUDA cases, which ``kit.py gpu-check`` ran before the matrix in the same process
+    (bench/exactness.py: each model moved to the GPU, stepped twice, then measured for a step and traced for
+    another; ``reference_cases`` at its batch of 128)."""
+    report = Path(folder) / f"{Path(run).stem}-gpu-check.txt"
+    found = re.search(r"warm-up: the first matmuls left ([0-9,]+) B allocated", report.read_text())
+    if found is None:
+        raise ValueError(f"{report.name} does not say what the warm-up left allocated")
+    with Path(folder, run).open() as f:
+        device_name = next(csv.DictReader(f))["device_name"]
+    process = RecordingProcess(card_named(device_name), int(found.group(1).replace(",", "")))
+    for make_model, make_optimizer, make_batch, _ in reference_cases(128).values():
+        process.run(predict(make_model, make_optimizer, make_batch, default_step, card=process.card,
+                            breakdown=False, warmup_steps=3))
+    return process
+
+
+def predict_row(row: dict, trace: Path | None = None, process: RecordingProcess | None = None) -> dict:
     """The prediction of one recorded row: its peak and state without cuBLAS's workspaces, and the seconds; with the
     row's allocator ``trace`` (a compact snapshot), also how the prediction's allocations compare with it
-    (``compare_trace``)."""
+    (``compare_trace``). With the ``process`` that recorded the row (a run that kept its cache), the peak and state
+    are the process's (``RecordingProcess.run``, the row's turn in it), and those from an emptied cache go beside
+    (``fresh_peak_bytes``, ``fresh_state_bytes``)."""
     setup = next(s for s in reference_setups("cuda") if s.name == row["model"])
     technique = next(t for t in TECHNIQUES if t.name == row["technique"])
     card = card_named(row["device_name"])  # torch's device name ("NVIDIA H100 80GB HBM3") names the card
@@ -86,7 +190,12 @@ def predict_row(row: dict, trace: Path | None = None) -> dict:
         peak, state = p.peak, p.before_step
     out = {"predicted_peak_bytes": peak - p.workspaces, "predicted_state_bytes": state - p.workspaces,
            "predicted_reserved_bytes": p.reserved_peak, "predicted_workspace_bytes": p.workspaces, "card": card.key,
-           "predict_seconds": round(time.perf_counter() - t0, 2)}
+           "predict_seconds": round(time.perf_counter() - t0, 2), "cache": "emptied before the row",
+           "not_followed": ", ".join(sorted(op.removesuffix(".default") for op in p.unverified_ops))}
+    if process is not None:
+        out["fresh_peak_bytes"], out["fresh_state_bytes"] = out["predicted_peak_bytes"], out["predicted_state_bytes"]
+        out["predicted_state_bytes"], out["predicted_peak_bytes"] = process.run(p)
+        out["cache"] = "kept from what its process ran before it"
     if trace is not None and trace.exists():
         try:
             out.update(compare_trace(load_snapshot(trace), getattr(p, "allocator_events", None), card.device_bytes))
@@ -131,20 +240,52 @@ def error(predicted: int, measured: int) -> float:
 
 
 def main(record: bool = False) -> list[dict]:
-    rows = []
     print(f"{'model':<26}{'technique':<44}{'peak MiB':>10}{'pred.':>10}{'err %':>8}{'state MiB':>11}{'pred.':>10}"
           f"{'err %':>8}", flush=True)
-    for rec in recorded_rows():
-        out = {"run": rec["run"], "model": rec["model"], "technique": rec["technique"],
+    rows = replay_rows(recorded_rows(every=True))
+    write_csv("recorded_runs.csv", rows)
+    if record:
+        written = ", ".join(write_back(rows)) or "none (no run of this machine was replayed)"
+        print(f"predictions written beside the measurements in data/runs/: {written}")
+    return rows
+
+
+def replay_rows(every: list[dict], folder: Path = RUNS_DIR) -> list[dict]:
+    """Each measured row of ``every`` (``recorded_rows(folder, every=True)``) predicted, beside its measurement, in
+    the order its run measured them; the rows of a run that kept its cache as its process ran them
+    (``recording_process``), up to a row that failed on the GPU or is not predicted here: what that row left in the
+    cache is unknown, so those after it are predicted from an emptied cache, and say so (``cache``)."""
+    rows = []
+    processes: dict[str, RecordingProcess | str | None] = {}  # run -> its process, or why its history is unknown
+    for rec in every:
+        run = rec["run"]
+        if run not in processes:
+            processes[run] = None
+            if kept_its_cache([r for r in every if r["run"] == run]):
+                try:
+                    processes[run] = recording_process(run, folder)
+                except Exception as err:  # (its rows are then predicted from an emptied cache, and say why)
+                    processes[run] = f"its process's start is unknown ({type(err).__name__}: {err})"[:200]
+        process = processes[run]
+        if rec.get("status") != "ok":
+            if isinstance(process, RecordingProcess) and not rec.get("status", "").startswith("not run"):
+                processes[run] = f"the cache after {rec['model']}, {rec['technique']} ({rec['status'][:60]}) is unknown"
+            continue
+        out = {"run": run, "model": rec["model"], "technique": rec["technique"],
                "measured_peak_bytes": int(rec["peak_bytes"]), "measured_state_bytes": int(rec["state_bytes"]),
                "torch_measured": rec["torch"]}
         try:
-            out.update(predict_row(rec, TRACES / Path(rec["run"]).stem / trace_name(rec["model"], rec["technique"])))
+            out.update(predict_row(rec, TRACES / Path(run).stem / trace_name(rec["model"], rec["technique"]),
+                                   process if isinstance(process, RecordingProcess) else None))
         except Exception as err:  # a row the predictor cannot follow is reported, by name, and the rest go on
             out["status"] = f"not predicted: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             rows.append(out)
             print(f"{rec['model']:<26}{rec['technique']:<44}  {out['status']}", flush=True)
+            if isinstance(process, RecordingProcess):  # what that row left cached is not known: nor what follows
+                processes[run] = f"the cache after {rec['model']}, {rec['technique']} (not predicted) is unknown"
             continue
+        if isinstance(process, str):  # a run that kept its cache, from a point the replay cannot follow
+            out["cache"] = f"kept, but {process}: predicted from an emptied cache"
         out["peak_error_pct"] = round(100 * error(out["predicted_peak_bytes"], out["measured_peak_bytes"]), 3)
         out["state_error_pct"] = round(100 * error(out["predicted_state_bytes"], out["measured_state_bytes"]), 3)
         out["measured_reserved_bytes"] = out["reserved_error_pct"] = None  # (a run recorded before had none)
@@ -158,10 +299,6 @@ def main(record: bool = False) -> list[dict]:
               f"{out['predicted_peak_bytes'] / 2**20:>10.1f}{out['peak_error_pct']:>8.2f}"
               f"{out['measured_state_bytes'] / 2**20:>11.1f}{out['predicted_state_bytes'] / 2**20:>10.1f}"
               f"{out['state_error_pct']:>8.2f}", flush=True)
-    write_csv("recorded_runs.csv", rows)
-    if record:
-        written = ", ".join(write_back(rows)) or "none (no run of this machine was replayed)"
-        print(f"predictions written beside the measurements in data/runs/: {written}")
     return rows
 
 
@@ -213,6 +350,12 @@ def summary(rows: list[dict]) -> list[str]:
     lines = [f"recorded GPU runs: {len(rows) - len(missed)} of {len(rows)} rows predicted within "
              f"{100 * TOLERANCE:g}% (peak and state, and reserved memory where the run has it); "
              f"{len(allocated)} on peak and state alone"]
+    for run in dict.fromkeys(r["run"] for r in rows if str(r.get("cache", "")).startswith("kept from")):
+        mine = [r for r in rows if r["run"] == run and str(r.get("cache", "")).startswith("kept from")]
+        fresh = sum(all(abs(error(r[f"fresh_{f}_bytes"], r[f"measured_{f}_bytes"])) <= TOLERANCE
+                        for f in ("peak", "state")) for r in mine)
+        lines.append(f"  {run.removesuffix('.csv')} kept its cache from row to row: {len(mine)} rows predicted as its "
+                     f"process ran them; from an emptied cache {fresh} of them would be within {100 * TOLERANCE:g}%")
     for run in dict.fromkeys(r["run"] for r in missed):  # each recorded run (a card) apart, in the order read
         lines.append(f"  off on {run.removesuffix('.csv')}:")
         for r in missed:
@@ -221,7 +364,9 @@ def summary(rows: list[dict]) -> list[str]:
                 why = r["status"] if r.get("status") != "ok" else (
                     f"peak {r['peak_error_pct']:+.2f}%, state {r['state_error_pct']:+.2f}%"
                     + (f", reserved {reserved:+.2f}%" if reserved is not None else ""))
-                lines.append(f"    {r['model']}, {r['technique']}: {why}")
+                lines.append(f"    {r['model']}, {r['technique']}: {why}"
+                             + (f" (named as not followed: {r['not_followed']})"
+                                if r.get("not_followed") else ""))
                 if r.get("trace_difference"):
                     lines.append(f"      its trace: {r['trace_same_order']} allocations in the same order; first apart "
                                  f"{r['trace_difference']}; the GPU's events replayed reserve "

@@ -76,6 +76,8 @@ class Prediction:
     seconds: float = 0.0
     reserved_peak: int | None = None  # the simulated CUDA caching allocator's reserved bytes at the step's peak
     allocator_events: list = field(default_factory=list, repr=False)  # what it was fed (gpukit.allocator)
+    # allocator_events[step_events_from:] are the predicted step's; before it, the build's and the warm-up's
+    step_events_from: int = field(default=0, repr=False)
     # Ops whose fake kernel gave outputs of the wrong size, replaced by the real sizes (op -> bytes added per
     # call), and ops that could not be checked against their real kernel (op -> why): gpukit.fakecheck.
     corrected_ops: dict[str, int] = field(default_factory=dict)
@@ -308,6 +310,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         collect_young()  # what the warm-up left is freed before the step, not inside it
         tally = FAKE_LEDGER.start()
         watch = simulated.watch()
+        step_events_from = len(simulated.events)  # (a device that records its events runs each at once)
         blocks = WholeBlocks(simulated) if kind == "cuda" else None
         try:
             roles.start(plain_tensors_only=True)
@@ -351,6 +354,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
         whole_blocks=whole_blocks + step_peak - tally.peak,
         parameters=n_params, roles_peak=roles.peak, roles_end=roles.end, modules=modules,
         seconds=time.perf_counter() - t0, reserved_peak=reserved_peak, allocator_events=simulated.events,
+        step_events_from=step_events_from,
         corrected_ops=dict(check.corrected), unverified_ops=unverified,
         device=kind, workspaces=workspaces, attention_kernels=dict(getattr(rules, "sdpa", {})),
         card=card.key if card is not None else None, unfollowed=unfollowed, made_up=dict(step_values.made_up))

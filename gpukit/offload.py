@@ -295,6 +295,10 @@ class OffloadPrediction:
     # What the card runs that the prediction could not follow (op -> why: cuDNN's workspaces, sized by the algorithm
     # cuDNN picks at run time; gpukit.cudarules): the GPU's peak may be higher
     unverified_ops: dict[str, str] = field(default_factory=dict)
+    # What the simulated GPU's caching allocator was fed (gpukit.allocator), from the model's first tensor on;
+    # allocator_events[step_events_from:] are the predicted step's
+    allocator_events: list = field(default_factory=list, repr=False)
+    step_events_from: int = field(default=0, repr=False)
 
     @property
     def device_peak(self) -> int:
@@ -416,6 +420,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
             on_step = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu"), FAKE_LEDGER.start()]
             device_state, host_state = kept[0].level, kept[1].level
             blocks = WholeBlocks(simulated)  # the GPU's figures as torch.cuda counts them: each block whole
+            step_events_from = len(simulated.events)
             watch = simulated.watch()
             try:
                 with copies() as traffic, ReadValues(step_values):
@@ -447,7 +452,9 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
                              card=card.key if card is not None else None, workspaces=workspaces,
                              reserved_peak=reserved_peak,
                              attention_kernels=dict(rules.sdpa), unfollowed=unfollowed,
-                             made_up=dict(step_values.made_up), unverified_ops=dict(rules.unmodelled))
+                             made_up=dict(step_values.made_up), unverified_ops=dict(rules.unmodelled),
+                             allocator_events=simulated.events,
+                             step_events_from=step_events_from)
 
 
 __all__ = ["card_kernels", "cuda_stand_ins", "predict_offload", "OffloadPrediction", "SIMULATED_DEVICE"]

@@ -2,7 +2,8 @@
 Device: cpu (predicting for the NVIDIA H100 80GB HBM3 that recorded data/runs/nvidia-h100-80gb-hbm3.csv with
 torch 2.11.0+cu130). ``python3 kit.py bench recorded_runs`` replays every row and lists those still off by more
 than 0.5%; this test replays four that the predictor follows to the byte: their memory is the optimizer step's, the
-host's, the bias gradient's sum (with the staging buffer CUDA's reduction kernel takes), and AMP fp16's."""
+host's, the bias gradient's sum (with the staging buffer CUDA's reduction kernel takes), and AMP fp16's. That run
+kept its cache from row to row: its rows are replayed as its process ran them too."""
 
 from __future__ import annotations
 
@@ -176,3 +177,51 @@ def test_a_rows_allocator_trace_is_kept_and_set_beside_a_predictions_events(repl
     with pytest.warns(RuntimeWarning, match="the allocator trace could not be kept"):
         again = measure_technique(setup, TECHNIQUES[3], "cpu", steps=0, trace=tmp_path / "a file" / path.name)
     assert (again["status"], again["peak_bytes"], again["state_bytes"]) == ("ok", row["peak_bytes"], row["state_bytes"])
+
+
+def test_a_run_that_kept_its_cache_is_predicted_as_its_process_ran_up_to_a_row_that_failed(replay, tmp_path):
+    """Device: cpu, predicting for the NVIDIA H100 that recorded data/runs/nvidia-h100-80gb-hbm3.csv (torch
+    2.11.0+cu130) in one process that never emptied the cache: ``kit.py gpu-check`` ran the exactness benchmark's
+    CUDA cases, then the matrix's rows. A tensor takes a cached block an earlier row left, whole where 1 MiB or less
+    would remain (CUDACachingAllocator.cpp ``should_split``), and ``torch.cuda.memory_allocated()`` counts the block:
+    from an emptied cache the convnet's baseline is predicted 786,432 B under on its peak and its state. Replayed
+    after what its process ran before it, both are right to the byte; so is the deep MLP's checkpointing row, whose
+    recompute on backward's thread made a cuBLASLt workspace (1 MiB) that the warm-up had not made. A technique the
+    card did not run allocated nothing and changes nothing; after a row that failed on the GPU the cache is unknown,
+    and the next row says it was predicted from an emptied cache."""
+    import csv
+    import shutil
+
+    run = "nvidia-h100-80gb-hbm3.csv"
+    shutil.copy(ROOT / "data" / "runs" / "nvidia-h100-80gb-hbm3-gpu-check.txt", tmp_path)
+    with open(ROOT / "data" / "runs" / run) as f:
+        measured = list(csv.DictReader(f))
+    assert replay.kept_its_cache(measured)
+    assert not replay.kept_its_cache([r for r in replay.recorded_rows(every=True) if r["run"] == "nvidia-h200.csv"])
+    conv = [r for r in measured if r["model"].startswith("convnet")]
+    figures = ("peak_bytes", "state_bytes", "step_ms", "samples_per_s")
+    not_run = {**conv[2], **dict.fromkeys(figures, ""), "status": "not run: this card has no bfloat16"}
+    failed = {**conv[1], **dict.fromkeys(figures, ""), "status": "failed on cuda: CUDA error: an illegal access"}
+    with open(tmp_path / run, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(measured[0]))
+        writer.writeheader()
+        writer.writerows(measured[:10] + [not_run, conv[0], failed, conv[3]])
+    got = {r["technique"] if r["model"].startswith("deep") else "convnet " + r["technique"]: r
+           for r in replay.replay_rows(replay.recorded_rows(tmp_path, every=True), tmp_path)}
+    assert len(got) == 12 and all(r["status"] == "ok" for r in got.values())
+    for name in ("checkpointing", "convnet baseline"):
+        row = got[name]
+        assert row["cache"] == "kept from what its process ran before it"
+        assert (row["predicted_peak_bytes"], row["predicted_state_bytes"]) == (row["measured_peak_bytes"],
+                                                                               row["measured_state_bytes"])
+    ckpt, base = got["checkpointing"], got["convnet baseline"]
+    assert ckpt["measured_state_bytes"] - ckpt["fresh_state_bytes"] == 2**20
+    assert (base["measured_peak_bytes"] - base["fresh_peak_bytes"],
+            base["measured_state_bytes"] - base["fresh_state_bytes"]) == (786_432, 786_432)
+    after = got["convnet accumulation k=4"]
+    assert after["cache"] == ("kept, but the cache after convnet 128 (BatchNorm), AMP fp16 (failed on cuda: CUDA "
+                              "error: an illegal access) is unknown: predicted from an emptied cache")
+    assert "fresh_peak_bytes" not in after and after["measured_state_bytes"] - after["predicted_state_bytes"] == 786_432
+    lines = replay.summary(list(got.values()))
+    assert lines[1] == ("  nvidia-h100-80gb-hbm3 kept its cache from row to row: 11 rows predicted as its process ran "
+                        "them; from an emptied cache 10 of them would be within 0.5%")
