@@ -40,7 +40,8 @@ def test_without_a_gpu_gpu_check_says_what_to_do_and_runs_nothing(monkeypatch, c
 
 
 H100 = {"cuda": True, "torch": "2.11.0+cu130", "cuda_version": "13.0", "name": "NVIDIA H100 80GB HBM3",
-        "capability": [9, 0], "devices": 1, "workspace": 32 * 2**20, "first_warm_up": 65 * 2**20, "second_warm_up": 0}
+        "capability": [9, 0], "devices": 1, "workspace": 32 * 2**20, "first_warm_up": 65 * 2**20, "second_warm_up": 0,
+        "checkpointed_linear_left": 2**20}
 
 
 def on_a_stand_in_gpu(kit, tmp_path, monkeypatch):
@@ -109,6 +110,8 @@ def test_the_report_lists_what_differed_from_the_cpu_expectations(tmp_path, monk
     assert "failure: tests/test_cuda_thing.py::test_peak: AssertionError: linear" in report
     assert "skipped: b::gpu: needs two GPUs" in report
     assert "2.03 x the 33,554,432 B cuBLAS workspace (as expected)" in report
+    assert ("a checkpointed Linear(1024, 1024) with a bias left 1,048,576 B allocated (NOT 0: a workspace the "
+            "warm-up did not make)") in report
     assert "exactness off: convnet + adam on cuda:0: 2000 B against 1000 B" in report
     assert "mlp + sgd" not in report
     assert "predictions: 1 of 4 rows of nvidia-h100-80gb-hbm3.csv predicted within 0.5% of the measured peak, " \
