@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from results import TRACES, write_csv
+from results import EARLIER, TRACES, write_csv
 
 from gpukit._torch import ScalerThatAlwaysSteps
 from gpukit.allocator import CachingAllocator
@@ -65,13 +65,15 @@ TOLERANCE = 0.005  # the issue's bar: 0.5% of the measured figure
 
 
 def recorded_rows(folder: Path = RUNS_DIR, every: bool = False) -> list[dict]:
-    """Every row of every recorded run in ``folder`` that a GPU measured (device_type cuda, status ok), in the
-    order each run measured them; ``every``: the rows that were not measured too (a technique the card cannot run,
-    a row that failed), which a process that kept its cache ran between the others."""
+    """Every row of every recorded run in ``folder`` and in its ``earlier/`` (runs a later one of the same machine
+    replaced: ``results.write_run``) that a GPU measured (device_type cuda, status ok), in the order each run
+    measured them, each with its file's path in ``folder`` (``run``); ``every``: the rows that were not measured
+    too (a technique the card cannot run, a row that failed), which a process that kept its cache ran between the
+    others."""
     rows = []
-    for path in sorted(folder.glob("*.csv")):
+    for path in sorted(Path(folder).glob("*.csv")) + sorted(Path(folder).glob(f"{EARLIER}/*.csv")):
         with path.open() as f:
-            rows += [dict(r, run=path.name) for r in csv.DictReader(f)
+            rows += [dict(r, run=path.relative_to(folder).as_posix()) for r in csv.DictReader(f)
                      if r.get("device_type") == "cuda" and (every or r.get("status") == "ok")]
     return rows
 
@@ -147,7 +149,7 @@ def recording_process(run: str, folder: Path = RUNS_DIR) -> RecordingProcess:
     benchmark's CUDA cases, which ``kit.py gpu-check`` ran before the matrix in the same process
     (bench/exactness.py: each model moved to the GPU, stepped twice, then measured for a step and traced for
     another; ``reference_cases`` at its batch of 128)."""
-    report = Path(folder) / f"{Path(run).stem}-gpu-check.txt"
+    report = (Path(folder) / run).with_name(f"{Path(run).stem}-gpu-check.txt")
     found = re.search(r"warm-up: the first matmuls left ([0-9,]+) B allocated", report.read_text())
     if found is None:
         raise ValueError(f"{report.name} does not say what the warm-up left allocated")
@@ -275,7 +277,7 @@ def replay_rows(every: list[dict], folder: Path = RUNS_DIR) -> list[dict]:
                "measured_peak_bytes": int(rec["peak_bytes"]), "measured_state_bytes": int(rec["state_bytes"]),
                "torch_measured": rec["torch"]}
         try:
-            out.update(predict_row(rec, TRACES / Path(run).stem / trace_name(rec["model"], rec["technique"]),
+            out.update(predict_row(rec, TRACES / Path(run).with_suffix("") / trace_name(rec["model"], rec["technique"]),
                                    process if isinstance(process, RecordingProcess) else None))
         except Exception as err:  # a row the predictor cannot follow is reported, by name, and the rest go on
             out["status"] = f"not predicted: {type(err).__name__}: {str(err).splitlines()[0][:160]}"

@@ -52,11 +52,42 @@ def write_rows(path: str | Path, rows: list[dict], info: dict) -> Path:
     return path
 
 
+EARLIER = "earlier"  # data/runs/earlier/: runs a later one of the same machine replaced (the lessons read the latest)
+
+
 def write_run(rows: list[dict], info: dict | None = None, folder: Path = RUNS_DIR) -> Path:
     """Write a technique matrix as ``folder/<machine slug>.csv``, each row with the machine's columns.
 
     Returns:
-        The path written (an earlier run of the same machine is replaced).
+        The path written. An earlier run of the same machine recorded on another date is kept, with its gpu-check
+        report and its allocator traces, as ``folder/earlier/<slug>-<its date>.csv`` (a recorded run is evidence:
+        tests and ``bench/recorded_runs.py`` replay it); one of the same date is replaced.
     """
     info = info or dict(machine())
-    return write_rows(Path(folder) / f"{slug(info)}.csv", rows, info)
+    path = Path(folder) / f"{slug(info)}.csv"
+    keep_earlier(path, str(info.get("date", "")))
+    return write_rows(path, rows, info)
+
+
+def keep_earlier(path: Path, date: str, traces: Path | None = None) -> Path | None:
+    """Move the run at ``path`` into ``earlier/`` beside it, dated, where it was recorded on another day than
+    ``date``: its CSV, its gpu-check report (``<slug>-gpu-check.txt``) and its traces (``traces/<slug>/``, to
+    ``traces/earlier/<slug>-<date>/``; ``traces`` by default beside the runs' folder, as data/traces beside
+    data/runs). Returns the CSV's new path, or None where nothing was moved."""
+    path = Path(path)
+    traces = path.parent.parent / TRACES.name if traces is None else traces
+    if not path.exists():
+        return None
+    with path.open() as f:
+        earlier = (next(csv.DictReader(f), None) or {}).get("date") or ""
+    if not earlier or earlier == date:
+        return None
+    dated = f"{path.stem}-{earlier}"
+    moves = [(path, path.parent / EARLIER / f"{dated}.csv"),
+             (path.with_name(f"{path.stem}-gpu-check.txt"), path.parent / EARLIER / f"{dated}-gpu-check.txt"),
+             (traces / path.stem, traces / EARLIER / dated)]
+    for old, new in moves:
+        if old.exists():
+            new.parent.mkdir(parents=True, exist_ok=True)
+            old.rename(new)
+    return moves[0][1]

@@ -15,12 +15,14 @@ bench/recorded_runs.py sets beside the row's prediction.
 
 from __future__ import annotations
 
-from results import TRACES, machine, slug, write_csv, write_run
+from results import RUNS_DIR, TRACES, keep_earlier, machine, slug, write_csv, write_run
 
 from gpukit.lessons.techniques import run_matrix
 
 
 def main(record: bool = False) -> list[dict]:
+    if record:  # an earlier run of this machine, of another day, is kept with its traces before new ones are written
+        keep_earlier(RUNS_DIR / f"{slug(machine())}.csv", machine()["date"])
     rows = run_matrix(traces=TRACES / slug(machine()) if record else None)
     write_csv("techniques.csv", rows)
     if record:

@@ -286,3 +286,29 @@ def test_a_table_whose_first_row_failed_before_its_figures_is_written_with_every
     assert list(table.columns) == ["case", "status", "peak", "torch"]
     assert table.to_dict("records") == [{"case": "a", "status": "failed: x", "peak": "", "torch": "2.13"},
                                         {"case": "b", "status": "ok", "peak": "5", "torch": "2.13"}]
+
+
+def test_a_new_run_keeps_the_earlier_run_of_its_machine_from_another_day_with_its_report_and_traces(tmp_path, matrix):
+    """Device: none. A recorded run is evidence that tests and the replay read: a run of the same machine on another
+    day moves it, with its gpu-check report and its traces, to earlier/ beside it, dated; one of the same day is
+    replaced."""
+    results = load_bench("results")
+    info = {**machine("cpu"), "device_type": "cuda", "device_name": "Example GPU 80GB", "driver": "999.1"}
+    first = write_run(list(matrix.values()), {**info, "date": "2026-11-25"}, folder=tmp_path)
+    report = tmp_path / "example-gpu-80gb-gpu-check.txt"
+    report.write_text("the first run's report\n")
+    traces = tmp_path / "traces"
+    (traces / "example-gpu-80gb").mkdir(parents=True)
+    (traces / "example-gpu-80gb" / "row.json.gz").write_bytes(b"x")
+    assert results.keep_earlier(first, "2026-11-25", traces) is None  # the same day: replaced in its place
+    moved = results.keep_earlier(first, "2026-12-07", traces)
+    assert moved == tmp_path / "earlier" / "example-gpu-80gb-2026-11-25.csv" and not first.exists()
+    kept_report = tmp_path / "earlier" / "example-gpu-80gb-2026-11-25-gpu-check.txt"
+    assert kept_report.read_text() == "the first run's report\n"
+    assert (traces / "earlier" / "example-gpu-80gb-2026-11-25" / "row.json.gz").read_bytes() == b"x"
+    second = write_run(list(matrix.values()), {**info, "date": "2026-12-07"}, folder=tmp_path)
+    assert second == first and load_runs(tmp_path)["date"].unique().tolist() == ["2026-12-07"]  # the lessons: latest
+    assert read_run(moved)["date"].unique().tolist() == ["2026-11-25"]
+    write_run(list(matrix.values()), {**info, "date": "2026-12-08"}, folder=tmp_path)  # (no traces, no report now)
+    assert sorted(p.name for p in (tmp_path / "earlier").glob("*.csv")) == [
+        "example-gpu-80gb-2026-11-25.csv", "example-gpu-80gb-2026-12-07.csv"]
