@@ -2,7 +2,9 @@
 
 import importlib
 import importlib.util
+import os
 import shutil
+import time
 from pathlib import Path
 
 import matplotlib
@@ -301,11 +303,15 @@ def test_a_new_run_keeps_the_earlier_run_of_its_machine_from_another_day_with_it
     (traces / "example-gpu-80gb").mkdir(parents=True)
     (traces / "example-gpu-80gb" / "row.json.gz").write_bytes(b"x")
     assert results.keep_earlier(first, "2026-11-25", traces) is None  # the same day: replaced in its place
+    for p in (first, report, traces / "example-gpu-80gb" / "row.json.gz"):
+        os.utime(p, (time.time() - 86400,) * 2)  # (written the day before)
     moved = results.keep_earlier(first, "2026-12-07", traces)
     assert moved == tmp_path / "earlier" / "example-gpu-80gb-2026-11-25.csv" and not first.exists()
     kept_report = tmp_path / "earlier" / "example-gpu-80gb-2026-11-25-gpu-check.txt"
     assert kept_report.read_text() == "the first run's report\n"
     assert (traces / "earlier" / "example-gpu-80gb-2026-11-25" / "row.json.gz").read_bytes() == b"x"
+    # written now, as far as kit.py gpu-check can tell: it brings back the files its run wrote, by modification time
+    assert all(p.stat().st_mtime > time.time() - 60 for p in (moved, kept_report))
     second = write_run(list(matrix.values()), {**info, "date": "2026-12-07"}, folder=tmp_path)
     assert second == first and load_runs(tmp_path)["date"].unique().tolist() == ["2026-12-07"]  # the lessons: latest
     assert read_run(moved)["date"].unique().tolist() == ["2026-11-25"]
