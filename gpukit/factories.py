@@ -181,16 +181,16 @@ class ValuesInStep:
     def __init__(self) -> None:
         self.made_up: dict[str, int] = {}  # kind of value ('bool', 'float', 'int') -> reads made up
 
-    def value(self, t: torch.Tensor) -> bool | float | int | RuntimeError:
+    def value(self, t: torch.Tensor) -> bool | float | int | ValueReadByLibrary:
         """The value made up for ``t.item()`` read by the user's code, counted; where a library reads it, the
-        RuntimeError to raise, which names the library's line."""
+        error to raise, which names the library's line."""
         reader = value_reader()
         if not read_by_users_code(reader):
             where = f"{reader[0]}:{reader[1]} ({reader[2]})" if reader is not None else "torch"
-            return RuntimeError(
+            return ValueReadByLibrary(torch.ops.aten._local_scalar_dense.default, (
                 f"aten._local_scalar_dense: {where} reads a value from a fake tensor, which a prediction cannot "
                 "follow: the library goes on by it. Values your own step reads (loss.item()) are made up as a healthy "
-                "step's; a library's are not. Predict the step without that call, or measure it on a GPU")
+                "step's; a library's are not. Predict the step without that call, or measure it on a GPU"))
         kind = _kind(t)
         self.made_up[kind] = self.made_up.get(kind, 0) + 1
         return self.MADE_UP[kind]
@@ -208,6 +208,19 @@ class ValuesInStep:
         return {"integers read in the step": (
             f"{read['int']} integer value(s) read from tensors in the step, which fake tensors do not hold, were "
             "taken as 1: a size or a count computed from one may differ from a real run's")}
+
+
+class ValueReadByLibrary(DataDependentOutputException):
+    """A value read from a fake tensor inside a library's code (torch's public functions, an installed package),
+    which a prediction cannot follow: the library goes on by it. Fake tensors' own DataDependentOutputException (a
+    RuntimeError), so that code which catches that catches this, with a message that names the library's line."""
+
+    def __init__(self, func, message: str) -> None:
+        super().__init__(func)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class ReadValues(TorchDispatchMode):
@@ -562,5 +575,6 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
            "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
-           "ValuesWhileBuilding", "ValuesInStep", "ReadValues", "value_reader", "read_by_users_code",
+           "ValuesWhileBuilding", "ValuesInStep", "ValueReadByLibrary", "ReadValues", "value_reader",
+           "read_by_users_code",
            "TensorsFromFakeLists"]
