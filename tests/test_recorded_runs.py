@@ -230,3 +230,23 @@ def test_a_run_that_kept_its_cache_is_predicted_as_its_process_ran_up_to_a_row_t
     lines = replay.summary(list(got.values()))
     assert lines[1] == ("  earlier/nvidia-h100-80gb-hbm3-2026-11-25 kept its cache from row to row: 11 rows predicted "
                         "as its process ran them; from an emptied cache 10 of them would be within 0.5%")
+
+
+def test_a_run_that_kept_its_cache_without_its_report_is_predicted_from_an_emptied_cache_and_says_why(replay,
+                                                                                                        tmp_path):
+    """Device: cpu, predicting for the NVIDIA H100. Without the gpu-check report that says what the process's
+    warm-up left allocated, the process cannot be replayed: its rows are predicted from an emptied cache and say
+    why, where the replay would have raised or guessed."""
+    import csv
+
+    with open(ROOT / "data" / "runs" / "nvidia-h200.csv") as f:  # (its first row, as the H100's run kept it)
+        row = {k: v for k, v in next(csv.DictReader(f)).items() if k != "reserved_bytes"}
+    with open(tmp_path / "h200-kept.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer.writeheader()
+        writer.writerow(row)
+    got = replay.replay_rows(replay.recorded_rows(tmp_path, every=True), tmp_path)
+    assert [r["status"] for r in got] == ["ok"] and "fresh_peak_bytes" not in got[0]
+    assert got[0]["cache"].startswith("kept, but its process's start is unknown (FileNotFoundError: ")
+    assert got[0]["cache"].endswith(": predicted from an emptied cache")
+    assert got[0]["predicted_peak_bytes"] == int(row["peak_bytes"])  # (the deep MLP's baseline: to the byte)
