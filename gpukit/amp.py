@@ -32,8 +32,13 @@ runs them as the card does, and prints nothing:
   taken, as after a healthy backward (no inf); ``update()`` in place. ``get_scale()`` reads the initial scale.
 * ``torch.cuda``'s own calls, where torch has no GPU (it refuses each: "Torch not compiled with CUDA enabled"):
   ``synchronize()`` does nothing (the simulated card runs everything in order already); ``empty_cache()`` is named
-  below; a read of the card's memory (``memory_allocated()``, ``max_memory_allocated()``...) raises an error that
-  says where the prediction's figures are.
+  below. The memory reads a training loop logs, ``memory_allocated()``, ``max_memory_allocated()``,
+  ``memory_reserved()``, ``max_memory_reserved()`` and ``reset_peak_memory_stats()``, are answered by the
+  prediction's card as it stands at that moment (``gpukit.allocator.CardMemory``: each block whole, the workspaces
+  made by then; the peaks from the prediction's start, as a fresh process's, or the step's own reset, which leaves
+  the prediction's step peak as it was), on a machine with a GPU of its own too: a predicted step reads the card
+  predicted. ``memory_stats()``, ``memory_summary()`` and ``mem_get_info()`` raise an error that says where the
+  prediction's figures are.
 * Afterwards every scaler is as it was before (a fake tensor left in the user's scaler would break their next real
   step), and torch's functions are put back, also when the step raises or is interrupted.
 
@@ -99,6 +104,9 @@ class CardAmp:
         self._own: dict[int, weakref.ref] = {}  # gpukit's ScalerThatAlwaysSteps met, by id: run as they are
         self._mirrored: list = []  # (autocast region, the device's (enabled, dtype) before it), innermost last
         self._emptied = 0  # torch.cuda.empty_cache() calls met where torch has no GPU
+        # What answers the step's torch.cuda memory reads (gpukit.allocator.CardMemory), set by the prediction once
+        # its simulated card exists; None: they are refused
+        self.memory = None
 
     # -- the block ------------------------------------------------------------------------------------------------
     def __enter__(self) -> "CardAmp":
@@ -168,8 +176,11 @@ class CardAmp:
         start_scaler_afresh(scaler, enable=enable)
 
     # -- torch.cuda's own calls, where torch has no GPU ----------------------------------------------------------------
-    def cuda_call(self, name: str) -> None:
-        """``torch.cuda.<name>()`` in the step, where torch has no GPU (module docstring)."""
+    def cuda_call(self, name: str) -> int | None:
+        """``torch.cuda.<name>()`` in the step, where torch has no GPU, or a memory read wherever the prediction's
+        card answers it (module docstring)."""
+        if self.memory is not None and name in self.memory.READS:
+            return self.memory.read(name)
         if name == "empty_cache":
             self._emptied += 1
             self.unfollowed["torch.cuda.empty_cache()"] = (
@@ -177,10 +188,13 @@ class CardAmp:
                 "blocks were kept, so the reserved memory predicted may be above the card's (allocated memory is the "
                 "same)")
         elif name != "synchronize":
+            answered = ", ".join(f"{n}()" for n in _MEMORY_READS)
             raise RuntimeError(
-                f"torch.cuda.{name}() in a step predicted for a card, on a machine without a GPU: the card's figures "
-                "are the prediction's (p.peak, p.step_peak, p.reserved_peak). To read torch.cuda's own calls on a "
-                "simulated card, run the step in `with gpukit.on_card(gpukit.SimulatedCuda('t4')):` and ask that card")
+                f"torch.cuda.{name}() in a step predicted for a card, on a machine without a GPU, is not answered "
+                f"(the simulated card answers {answered}): the card's figures are the prediction's (p.peak, "
+                "p.step_peak, p.reserved_peak). To read torch.cuda's other calls on a simulated card, run the step in "
+                "`with gpukit.on_card(gpukit.SimulatedCuda('t4')):` and ask that card")
+        return None
 
     # -- autocast -------------------------------------------------------------------------------------------------
     def _mirror(self, region) -> None:
@@ -238,12 +252,15 @@ def _bf16_supported(including_emulation: bool = True):
 # torch.cuda's functions a step may call, which torch refuses where it has no GPU (CardAmp.cuda_call)
 _CUDA_CALLS = ("synchronize", "empty_cache", "memory_allocated", "max_memory_allocated", "memory_reserved",
                "max_memory_reserved", "reset_peak_memory_stats", "memory_stats", "memory_summary", "mem_get_info")
+_MEMORY_READS = _CUDA_CALLS[2:7]  # (gpukit.allocator.CardMemory.READS: answered by the prediction's card)
 
 
 def _cuda_call(name: str, original):
     @functools.wraps(original)
     def call(*args, **kwargs):
         amp = _active()
+        if amp is not None and amp.cuda and amp.memory is not None and name in _MEMORY_READS:
+            return amp.cuda_call(name)  # the predicted card's figures, also on a machine with a GPU of its own
         if amp is None or not amp.cuda or torch.cuda.is_available():
             return original(*args, **kwargs)
         return amp.cuda_call(name)

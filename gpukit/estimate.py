@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode
-from .allocator import CONTEXT_ALLOWANCE, WholeBlocks, follow
+from .allocator import CONTEXT_ALLOWANCE, CardMemory, WholeBlocks, follow
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .cudadevice import CudaDevices
@@ -271,6 +271,8 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     # (TensorsFromFakeLists: torch.tensor of a list of the step's fake tensors, as the build gets it too)
     with amp, FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, FakeKernelCheck() as check, rules, \
             TensorsFromFakeLists(), follow(FAKE_LEDGER, fresh=True) as simulated:
+        if kind == "cuda":  # the step's torch.cuda.memory_allocated() and the like read the card as it stands
+            amp.memory = CardMemory(simulated, rules.workspace_blocks)
         # A fake tensor keeps its mode in its __dict__, which copy.deepcopy copies: a deep-copied module
         # (nn.Transformer clones its layers so) would hold tensors of a new mode, which every op then
         # converts afresh: a new storage counted per use. Copies stay in this mode, as on a real device.

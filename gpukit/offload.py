@@ -52,7 +52,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
-from .allocator import CachingAllocator, WholeBlocks, follow
+from .allocator import CachingAllocator, CardMemory, WholeBlocks, follow
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
@@ -391,6 +391,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
             cuda_stand_ins(), card_kernels(rules.capability), rules, TensorsFromFakeLists(), \
             follow(FAKE_LEDGER, only=SIMULATED_DEVICE, fresh=True) as simulated:
         mode.__deepcopy__ = lambda memo: mode  # copies stay in this mode (as in estimate.predict)
+        amp.memory = CardMemory(simulated, rules.workspace_blocks)  # the step's memory reads: the GPU's side
         kept = [FAKE_LEDGER.start(label=SIMULATED_DEVICE), FAKE_LEDGER.start(label="cpu")]
         model = optimizer = batch = None
         try:

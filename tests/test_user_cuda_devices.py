@@ -244,7 +244,8 @@ def test_a_value_a_library_reads_in_the_step_is_refused_naming_the_librarys_line
 
 def test_torch_cudas_own_calls_in_the_step_run_as_the_simulated_card_can(monkeypatch):
     """synchronize() orders nothing on the simulated card; empty_cache() is named (the prediction keeps its cached
-    blocks, so reserved memory may be above the card's); a read of the card's memory says where the figures are."""
+    blocks, so reserved memory may be above the card's); a read the card does not answer (memory_stats()) says where
+    the figures are."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU (this one, in CI)
     synchronize, empty_cache = torch.cuda.synchronize, torch.cuda.empty_cache
 
@@ -265,10 +266,41 @@ def test_torch_cudas_own_calls_in_the_step_run_as_the_simulated_card_can(monkeyp
 
     def reporting(model, optimizer, batch):
         step(model, optimizer, batch)
-        print(torch.cuda.max_memory_allocated())
+        print(torch.cuda.memory_stats()["allocated_bytes.all.peak"])
 
-    with pytest.raises(RuntimeError, match=r"torch.cuda.max_memory_allocated\(\) in a step predicted for a card.*"
-                                           r"p.peak"):
+    with pytest.raises(RuntimeError, match=r"torch.cuda.memory_stats\(\) in a step predicted for a card.* is not "
+                                           r"answered \(the simulated card answers memory_allocated\(\), .*p.peak"):
         predict(make_model, adamw, make_batch, reporting, card="t4")
     # torch's own functions are back, outside the prediction and on every thread
     assert torch.cuda.synchronize is synchronize and torch.cuda.empty_cache is empty_cache
+
+
+@pytest.mark.parametrize("on_a_gpu_machine", [False, True])
+def test_the_memory_a_step_logs_is_the_predicted_cards_at_that_moment(monkeypatch, on_a_gpu_machine):
+    """Device: cpu, predicting for a T4; and as on a machine with a GPU of its own (torch.cuda.is_available()), where
+    the step's reads are still the predicted card's, not that GPU's. A step that resets the peaks, trains, and logs
+    torch.cuda's figures, as a training loop on Colab does, is predicted as its twin that logs nothing; and what it
+    logged in the measured step is the prediction: the peak since its reset is p.peak, what stays allocated is what
+    the step starts with, the reserved peak p.reserved_peak. Without a reset the peak runs from the process's start
+    (the warm-up's included). predict_offload answers for the GPU's side the same way."""
+    if on_a_gpu_machine:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    logged = []
+
+    def logging(model, optimizer, batch, reset=True):
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        step(model, optimizer, batch)
+        logged.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(0),
+                       torch.cuda.memory_reserved(device="cuda"), torch.cuda.max_memory_reserved()))
+
+    twin = predict(make_model, adamw, make_batch, step, card="t4")
+    p = predict(make_model, adamw, make_batch, logging, card="t4")
+    assert figures(p) == figures(twin)
+    assert len(logged) == 2 and logged[1] == (p.before_step, p.peak, p.reserved_peak, p.reserved_peak)
+    logged.clear()
+    q = predict(make_model, adamw, make_batch, lambda *a: logging(*a, reset=False), card="t4")
+    assert figures(q) == figures(twin) and logged[1][1] == max(logged[0][1], p.peak)
+    logged.clear()
+    offloaded = predict_offload(make_model, adamw, make_batch, logging, card="t4")
+    assert logged[1][:3] == (offloaded.device_state, offloaded.device_peak, offloaded.reserved_peak)

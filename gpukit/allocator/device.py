@@ -1,7 +1,7 @@
 """The simulated device fed by gpukit's counter: a ``CachingAllocator`` that follows every storage the counter
-sees made and freed (``SimulatedDevice``), the one behind ``measure()`` on a CPU (``cpu_device``), what
-``torch.cuda.memory_allocated()`` would count on it, each block whole (``WholeBlocks``: the predictions' CUDA
-figures), and the replay of its recorded events on another capacity (``replay_events``)."""
+sees made and freed (``SimulatedDevice``), the one behind ``measure()`` on a CPU (``cpu_device``), and the replay of
+its recorded events on another capacity (``replay_events``). What ``torch.cuda``'s calls would read from one, each
+block whole (the predictions' CUDA figures): ``gpukit.allocator.reads``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,11 @@ class SimulatedDevice:
         self._seen: dict[tuple, list[int]] = {}  # signature of a unit run -> [runs to wait, next wait]
         self.units_run = 0  # units the allocator ran
         self.units_reused = 0  # units whose recorded outcome was applied
+        # The allocator's peaks serve two readers (gpukit.allocator.reads): a prediction's step peak, from the step's
+        # start, and the step's own torch.cuda.max_memory_*() calls, from the process's start or their own reset.
+        # Each reset for one keeps what the peaks had reached for the other: allocated, and (reads) reserved.
+        self.step_floor = 0
+        self.read_floors = (0, 0)
 
     @property
     def allocator(self) -> CachingAllocator:
@@ -419,6 +424,21 @@ class SimulatedDevice:
             if reserved > p[0]:
                 p[0] = reserved
 
+    def reset_peaks(self, for_reads: bool) -> None:
+        """Reset the allocator's peaks for one of their readers, keeping what they had reached for the other:
+        ``for_reads`` (the step's ``torch.cuda.reset_peak_memory_stats()``) keeps the allocated peak for the
+        prediction's step peak (``step_floor``); else (a prediction's step starts: ``reads.WholeBlocks``) both peaks
+        are kept for the step's own reads (``read_floors``), which run from the process's start."""
+        alloc = self.allocator
+        if for_reads:
+            self.step_floor = max(self.step_floor, alloc.max_memory_allocated())
+            self.read_floors = (0, 0)
+        else:
+            self.read_floors = (max(self.read_floors[0], alloc.max_memory_allocated()),
+                                max(self.read_floors[1], alloc.max_memory_reserved()))
+            self.step_floor = 0
+        alloc.reset_peak_stats()
+
     def watch(self) -> list[int]:
         """Start following the peak of reserved memory; returns the [peak, reserved at the start] cell to read
         and ``unwatch``. Where events are queued, the start is a mark in the queue, filled when the queue runs:
@@ -443,33 +463,6 @@ class SimulatedDevice:
                 del self.peaks[i]
                 break
         return cell[0]
-
-
-class WholeBlocks:
-    """What ``torch.cuda.memory_allocated()`` counts from here on, read from a ``SimulatedDevice`` that follows a
-    counter: each block whole. A large block is split only where more than 1 MiB would remain
-    (c10/cuda/CUDACachingAllocator.cpp ``should_split``), so a tensor may hold up to 1 MiB more than its size, and
-    ``allocated_bytes`` adds ``block->size``. ``before_slack``: the blocks now over their storages' 512-byte sizes;
-    ``step_peak()``: the most allocated since, over now. Made where a prediction's step starts (gpukit.estimate,
-    gpukit.offload); it resets the allocator's peak statistics (the ``watch`` cells follow reserved memory)."""
-
-    def __init__(self, device: SimulatedDevice) -> None:
-        from ..counter import round_up  # (the counter's 512-byte rule; imported late, as LEDGER is below)
-
-        self.device, alloc = device, device.allocator  # up to date: every event applied
-        self.attached = device.ledger is not None  # (a device no counter feeds knows no storage's size)
-        sizes = device.ledger.sizes if self.attached else {}
-        self.start = alloc.memory_allocated()
-        self.before_slack = self.start - sum(round_up(sizes[k]) for k in device.addr if k in sizes)
-        alloc.reset_peak_stats()
-
-    def known(self) -> bool:
-        """Whether the device followed a counter's every event (an interrupted update detaches it:
-        ``SimulatedDevice.failed``)."""
-        return self.attached and not self.device.failed
-
-    def step_peak(self) -> int:
-        return self.device.allocator.max_memory_allocated() - self.start
 
 
 _CPU_DEVICE: SimulatedDevice | None = None
