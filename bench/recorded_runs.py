@@ -49,7 +49,7 @@ import torch
 from results import EARLIER, TRACES, write_csv
 
 from gpukit._torch import ScalerThatAlwaysSteps
-from gpukit.allocator import CachingAllocator
+from gpukit.allocator import CachingAllocator, apply_events
 from gpukit.allocator.replay import load_snapshot, replay
 from gpukit.cards import card as card_named
 from gpukit.counter import round_up
@@ -112,28 +112,17 @@ class RecordingProcess:
         counted them in the process: the allocated bytes its build and warm-up added, and those plus the most its
         step added."""
         alloc, addr = self.allocator, {}
-        malloc, free = alloc.malloc, alloc.free
-
-        def apply(events):
-            for e in events:
-                if e[0] == "a":
-                    old, addr[e[1]] = addr.get(e[1]), malloc(e[2])
-                    if old is not None:  # (a key whose storage died unseen: as SimulatedDevice frees it)
-                        free(old)
-                elif e[1] in addr:
-                    free(addr.pop(e[1]))
-
         start = alloc.memory_allocated()
         if p.workspaces > self.made:
             self._make_workspaces(p.workspaces - self.made)
         events, k = p.allocator_events, p.step_events_from
-        apply(events[:k])
+        apply_events(alloc, events[:k], addr)
         at = alloc.memory_allocated()
         alloc.reset_peak_stats()
-        apply(events[k:])
+        apply_events(alloc, events[k:], addr)
         peak = alloc.max_memory_allocated() - start
         for a in addr.values():
-            free(a)
+            alloc.free(a)
         return at - start, peak
 
 

@@ -84,8 +84,8 @@ from .blocks import Block, BlockPool, ExpandableSegment
 from .caching import SIMULATED, CachingAllocator
 from .config import (CONTEXT_ALLOWANCE, SIZE_MAX, AllocatorConfig, kLargeBuffer, kMB, kMinBlockSize, kMinLargeAlloc,
                      kRoundLarge, kRoundUpPowerOfTwoIntervals, kSmallBuffer, kSmallSize, roundup_power2_next_division)
-from .device import (SimulatedDevice, cpu_device, follow, replay_events, reset_cpu_device, set_cpu_simulation,
-                     use_cpu_device)
+from .device import (SimulatedDevice, apply_events, cpu_device, follow, replay_events, reset_cpu_device,
+                     set_cpu_simulation, use_cpu_device)
 from .oom import OOM_ADVICE, SimulatedOutOfMemoryError, format_size
 from .plots import plot_segments
 from .reads import CardMemory, WholeBlocks
@@ -98,4 +98,4 @@ __all__ = ["AllocatorConfig", "Block", "BlockPool", "CONTEXT_ALLOWANCE", "Cachin
            "kLargeBuffer", "kMB", "kMinBlockSize", "kMinLargeAlloc", "kRoundLarge", "kRoundUpPowerOfTwoIntervals",
            "kSmallBuffer", "kSmallSize", "load_snapshot", "plot_segments", "replay", "replay_events",
            "reset_cpu_device", "roundup_power2_next_division", "save_compact", "set_cpu_simulation", "use_cpu_device",
-           "WholeBlocks", "CardMemory"]
+           "WholeBlocks", "CardMemory", "apply_events"]

@@ -570,6 +570,24 @@ class follow:
         return False
 
 
+def apply_events(allocator: CachingAllocator, events, addr: dict[int, int]) -> None:
+    """Run recorded ``SimulatedDevice`` events on ``allocator``: ``addr`` maps each live key to its address, and
+    holds what is still allocated after them (a key allocated again frees its earlier block, as
+    ``SimulatedDevice`` frees the storage of a key that died unseen)."""
+    malloc, free = allocator.malloc, allocator.free
+    for e in events:
+        if e[0] == "a":
+            a = malloc(e[2])
+            old = addr.get(e[1])
+            addr[e[1]] = a
+            if old is not None:
+                free(old)
+        else:
+            a = addr.pop(e[1], None)
+            if a is not None:
+                free(a)
+
+
 def replay_events(events, total_memory: int, *, context_bytes: int = CONTEXT_ALLOWANCE,
                   config: str | AllocatorConfig | None = None) -> tuple[bool, int, CachingAllocator]:
     """Run recorded ``SimulatedDevice`` events on a device of ``total_memory`` bytes.
@@ -578,20 +596,8 @@ def replay_events(events, total_memory: int, *, context_bytes: int = CONTEXT_ALL
         (whether every allocation succeeded, the peak of reserved memory, the allocator).
     """
     sim = CachingAllocator(total_memory, config, context_bytes=context_bytes)
-    addr: dict[int, int] = {}
-    malloc, free = sim.malloc, sim.free
     try:
-        for e in events:
-            if e[0] == "a":
-                a = malloc(e[2])
-                old = addr.get(e[1])
-                addr[e[1]] = a
-                if old is not None:
-                    free(old)
-            else:
-                a = addr.pop(e[1], None)
-                if a is not None:
-                    free(a)
+        apply_events(sim, events, {})
     except torch.OutOfMemoryError:
         return False, sim.max_memory_reserved(), sim
     return True, sim.max_memory_reserved(), sim
