@@ -70,6 +70,7 @@ import torch
 from ._torch import (FakeTensor, ScalerThatAlwaysSteps, autocast_enabled, restore_scaler, scaler_device,
                      scaler_enabled, scaler_init_scale, scaler_state, scaler_step_rule, scaler_tensors,
                      set_scaler_step_rule, start_scaler_afresh)
+from .allocator import CardMemory
 from .counter import INTERRUPTS
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -188,7 +189,7 @@ class CardAmp:
                 "blocks were kept, so the reserved memory predicted may be above the card's (allocated memory is the "
                 "same)")
         elif name != "synchronize":
-            answered = ", ".join(f"{n}()" for n in _MEMORY_READS)
+            answered = ", ".join(f"{n}()" for n in CardMemory.READS)
             raise RuntimeError(
                 f"torch.cuda.{name}() in a step predicted for a card, on a machine without a GPU, is not answered "
                 f"(the simulated card answers {answered}): the card's figures are the prediction's (p.peak, "
@@ -252,14 +253,13 @@ def _bf16_supported(including_emulation: bool = True):
 # torch.cuda's functions a step may call, which torch refuses where it has no GPU (CardAmp.cuda_call)
 _CUDA_CALLS = ("synchronize", "empty_cache", "memory_allocated", "max_memory_allocated", "memory_reserved",
                "max_memory_reserved", "reset_peak_memory_stats", "memory_stats", "memory_summary", "mem_get_info")
-_MEMORY_READS = _CUDA_CALLS[2:7]  # (gpukit.allocator.CardMemory.READS: answered by the prediction's card)
 
 
 def _cuda_call(name: str, original):
     @functools.wraps(original)
     def call(*args, **kwargs):
         amp = _active()
-        if amp is not None and amp.cuda and amp.memory is not None and name in _MEMORY_READS:
+        if amp is not None and amp.cuda and amp.memory is not None and name in CardMemory.READS:
             return amp.cuda_call(name)  # the predicted card's figures, also on a machine with a GPU of its own
         if amp is None or not amp.cuda or torch.cuda.is_available():
             return original(*args, **kwargs)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ._torch import FakeTensor, FakeTensorMode
-from .allocator import CONTEXT_ALLOWANCE, CardMemory, WholeBlocks, follow
+from .allocator import CONTEXT_ALLOWANCE, CardMemory, WholeBlocks, follow, workspace_segments
 from .amp import CardAmp
 from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
 from .cudadevice import CudaDevices
@@ -347,9 +347,7 @@ def _predict(make_model, make_optimizer, make_batch, step, warmup_steps, modules
     before += workspaces
     before_unrounded += workspaces
     if workspaces and reserved_peak is not None:  # each workspace is a cudaMalloc'd block of its own
-        from .allocator import CachingAllocator
-
-        reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
+        reserved_peak += workspace_segments(rules.workspace_blocks())[1]
     return Prediction(
         peak=before + step_peak, peak_unrounded=before_unrounded + tally.peak_unrounded,
         before_step=before, step_peak=step_peak, step_peak_unrounded=tally.peak_unrounded,

@@ -52,10 +52,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, FakeTensorMode, TorchDispatchMode
-from .allocator import CachingAllocator, CardMemory, WholeBlocks, follow
+from .allocator import CardMemory, WholeBlocks, follow, workspace_segments
 from .amp import CardAmp
 from .cudarules import SDPA, SM90, CudaRules, sdpa_backend, use_cuda_optimizer_defaults
-from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run, round_up
+from .counter import FAKE_LEDGER, ONE_PREDICTION, gc_paused, refuse_inside_a_fake_run
 from .factories import (ReadValues, TensorsFromFakeLists, ValuesInStep, ValuesWhileBuilding, check_factories,
                         check_optimizer, fake_model, swappable_fakes)
 from .report import format_bytes, html_table
@@ -446,7 +446,7 @@ def _offload_step(make_model, make_optimizer, make_batch, step, warmup_steps: in
     unfollowed.update(step_values.name(unfollowed))  # (no lower-bound flag here: an integer read is named beside them)
     workspaces = rules.workspaces()  # made by the warm-up's first matrix products, kept: part of the state
     # each workspace is a cudaMalloc'd block of its own (as in estimate.predict)
-    reserved_peak += sum(CachingAllocator.get_allocation_size(round_up(n)) for n in rules.workspace_blocks() if n)
+    reserved_peak += workspace_segments(rules.workspace_blocks())[1]
     return OffloadPrediction(device_state=device_state + workspaces, device_step_peak=device_step_peak,
                              host_state=host_state, host_step_peak=host.peak, combined_step_peak=both.peak,
                              copies=traffic, parameters=n_params, seconds=time.perf_counter() - t0,

@@ -88,7 +88,7 @@ from .device import (SimulatedDevice, apply_events, cpu_device, follow, replay_e
                      set_cpu_simulation, use_cpu_device)
 from .oom import OOM_ADVICE, SimulatedOutOfMemoryError, format_size
 from .plots import plot_segments
-from .reads import CardMemory, WholeBlocks
+from .reads import CardMemory, WholeBlocks, workspace_segments
 from .replay import ReplayReport, config_of_snapshot, load_snapshot, replay, save_compact
 from .stats import POOL_NAMES, STAT_NAMES
 
@@ -98,4 +98,4 @@ __all__ = ["AllocatorConfig", "Block", "BlockPool", "CONTEXT_ALLOWANCE", "Cachin
            "kLargeBuffer", "kMB", "kMinBlockSize", "kMinLargeAlloc", "kRoundLarge", "kRoundUpPowerOfTwoIntervals",
            "kSmallBuffer", "kSmallSize", "load_snapshot", "plot_segments", "replay", "replay_events",
            "reset_cpu_device", "roundup_power2_next_division", "save_compact", "set_cpu_simulation", "use_cpu_device",
-           "WholeBlocks", "CardMemory", "apply_events"]
+           "WholeBlocks", "CardMemory", "apply_events", "workspace_segments"]

@@ -40,6 +40,16 @@ class WholeBlocks:
         return max(self.device.step_floor, self.device.allocator.max_memory_allocated()) - self.start
 
 
+def workspace_segments(sizes: list[int]) -> tuple[int, int]:
+    """What workspaces of ``sizes`` bytes (cuBLAS's and cuBLASLt's: ``CudaRules.workspace_blocks()``) add to
+    ``torch.cuda.memory_allocated()`` and to ``memory_reserved()``: each a cudaMalloc'd block of its own, rounded as
+    the caching allocator rounds it, in a segment of its own (aten/src/ATen/cuda/CublasHandlePool.cpp)."""
+    from ..counter import round_up  # (imported late, as in WholeBlocks)
+
+    blocks = [round_up(n) for n in sizes if n]
+    return sum(blocks), sum(CachingAllocator.get_allocation_size(n) for n in blocks)
+
+
 class CardMemory:
     """``torch.cuda``'s memory reads in a step predicted for a card, answered as the card's caching allocator would
     answer them at that moment (``read``): ``device``'s simulated allocator, each block counted whole, plus the
@@ -56,8 +66,6 @@ class CardMemory:
 
     def read(self, name: str) -> int | None:
         """``torch.cuda.<name>()``, ``name`` one of ``READS``."""
-        from ..counter import round_up
-
         if name not in self.READS:
             raise ValueError(f"torch.cuda.{name}() is not answered by the simulated card; it answers {self.READS}")
         device = self.device
@@ -65,15 +73,14 @@ class CardMemory:
             device.reset_peaks(for_reads=True)
             return None
         alloc = device.allocator
-        blocks = [round_up(n) for n in self.workspaces() if n]
+        blocks, segments = workspace_segments(self.workspaces())
         if name == "memory_allocated":
-            return alloc.memory_allocated() + sum(blocks)
+            return alloc.memory_allocated() + blocks
         if name == "max_memory_allocated":
-            return max(device.read_floors[0], alloc.max_memory_allocated()) + sum(blocks)
-        segments = sum(CachingAllocator.get_allocation_size(n) for n in blocks)
+            return max(device.read_floors[0], alloc.max_memory_allocated()) + blocks
         if name == "memory_reserved":
             return alloc.memory_reserved() + segments
         return max(device.read_floors[1], alloc.max_memory_reserved()) + segments
 
 
-__all__ = ["WholeBlocks", "CardMemory"]
+__all__ = ["WholeBlocks", "CardMemory", "workspace_segments"]
