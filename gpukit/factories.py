@@ -576,5 +576,4 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 __all__ = ["check_factory", "check_model_factory", "check_optimizer_factory", "check_factories", "check_optimizer",
            "check_model", "short_repr", "fake_copy", "fake_model", "real_tensors", "valueless", "building",
            "ValuesWhileBuilding", "ValuesInStep", "ValueReadByLibrary", "ReadValues", "value_reader",
-           "read_by_users_code",
-           "TensorsFromFakeLists"]
+           "read_by_users_code", "TensorsFromFakeLists"]
